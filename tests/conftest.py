@@ -1,0 +1,36 @@
+import os
+
+import pytest
+import torch
+
+
+# Nothing may come from the network in tests.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def make_tiny_llama(seed: int = 0, **overrides):
+    """A random-initialised Llama small enough for exhaustive tests (GQA: 4 query heads, 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The embedded SmolLM2-135M-Instruct, loaded once for every test that needs the real model."""
+    from hf_accel.loading import load_model_and_tokenizer
+
+    return load_model_and_tokenizer("smollm2-135m")
