@@ -1,0 +1,135 @@
+import json
+import os
+
+import pytest
+import torch
+
+from hf_accel.training.data import PackedBlockCollator, pack_token_ids
+from hf_accel.training.heal import HealingArguments, resolve_lora_target_modules, run_healing
+from tests.tiny_checkpoints import logits_in_fresh_process, sample_logits, write_tiny_llama, write_tiny_remote_model
+
+
+TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 40
+HELD_OUT = "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles.\n" * 4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heal")
+    (root / "train.txt").write_text(TEXT)
+    (root / "heldout.txt").write_text(HELD_OUT)
+    return {
+        "root": root,
+        "student": write_tiny_remote_model(root / "student", seed=1),
+        "teacher": write_tiny_llama(root / "teacher", seed=0),
+    }
+
+
+def _args(checkpoints, output_dir, **overrides):
+    root = checkpoints["root"]
+    kwargs = dict(
+        output_dir=str(output_dir), model_name_or_path=str(checkpoints["student"]), trust_remote_code=True,
+        teacher_model_name_or_path=str(checkpoints["teacher"]), train_files=[str(root / "train.txt")],
+        validation_file=str(root / "heldout.txt"), train_seq_len=32, validation_max_tokens=128, ppl_eval_steps=2,
+        per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1, learning_rate=1e-2,
+        lora_r=4, lora_alpha=8, report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return HealingArguments(**kwargs)
+
+
+def test_pack_token_ids_concatenates_with_separator_and_drops_the_tail():
+    assert pack_token_ids([[5, 6, 7], [8], [9]], seq_len=3, separator_id=2) == [[5, 6, 7], [2, 8, 2]]
+    assert pack_token_ids([[5, 6, 7, 8, 9]], seq_len=2) == [[5, 6], [7, 8]]
+    batch = PackedBlockCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 10]}])
+    assert torch.equal(batch["labels"], batch["input_ids"]) and batch["attention_mask"].all()
+
+
+def test_healing_arguments_need_a_teacher_for_distillation(tmp_path):
+    with pytest.raises(ValueError, match="teacher"):
+        HealingArguments(output_dir=str(tmp_path), train_files=["x.txt"])
+    with pytest.raises(ValueError, match="exactly one"):
+        HealingArguments(output_dir=str(tmp_path), kd_beta=0.0)
+
+
+def test_lora_targets_include_renamed_latent_projections(checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["student"], trust_remote_code=True)
+    targets = resolve_lora_target_modules(model)
+    assert "model.layers.1.self_attn.k_proj.down" in targets and "model.layers.1.self_attn.v_proj.up" in targets
+    assert not any("mlp" in t or "lm_head" in t for t in targets)
+    assert resolve_lora_target_modules(model, r"k_proj\.down") == [f"model.layers.{i}.self_attn.k_proj.down" for i in (0, 1)]
+    with pytest.raises(ValueError, match="matches no linear layer"):
+        resolve_lora_target_modules(model, "nothing_here")
+
+
+@pytest.fixture(scope="module")
+def lora_run(checkpoints):
+    output_dir = checkpoints["root"] / "healed"
+    result = run_healing(_args(checkpoints, output_dir, activation_checkpointing=True))
+    return output_dir, result
+
+
+def test_lora_healing_trains_merges_and_reports(checkpoints, lora_run):
+    from transformers import AutoModelForCausalLM
+
+    output_dir, result = lora_run
+    summary = result.summary
+    assert summary["steps"] == 4 and summary["train_tokens"] == 4 * 2 * 32
+    history = json.loads((output_dir / "ppl_history.json").read_text())
+    assert [p["step"] for p in history["points"]] == [0, 2, 4]
+    assert history["reference_ppl"] is not None and summary["ppl"] == history["points"][-1]["ppl"]
+    assert (output_dir / "ppl_curve.png").stat().st_size > 1000
+    assert (output_dir / "adapter" / "adapter_config.json").is_file()
+    state = json.loads((output_dir / "checkpoint-4" / "trainer_state.json").read_text())
+    losses = [e["loss"] for e in state["log_history"] if "loss" in e]
+    assert len(losses) == 4 and all(map(lambda x: x == x and abs(x) < 1e6, losses))
+    assert all("kd_loss" in e and "ce_loss" in e for e in state["log_history"] if "loss" in e)
+
+    # LoRA touched the attention projections (renamed ones included), nothing else.
+    original = AutoModelForCausalLM.from_pretrained(checkpoints["student"], trust_remote_code=True).state_dict()
+    merged = result.model.state_dict()
+    changed = {k for k in original if not torch.equal(original[k], merged[k])}
+    assert "model.layers.0.self_attn.k_proj.down.weight" in changed
+    assert "model.layers.0.self_attn.v_proj.up.weight" in changed
+    assert all(".self_attn." in k for k in changed)
+
+
+def test_merged_checkpoint_reloads_identically_in_a_fresh_process(lora_run, tmp_path):
+    output_dir, result = lora_run
+    config = json.loads((output_dir / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_tiny_latent.TinyLatentForCausalLM"
+    assert (output_dir / "modeling_tiny_latent.py").is_file()
+    assert (output_dir / "configuration_tiny_latent.py").is_file()
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    logits, name = logits_in_fresh_process(str(output_dir), tmp_path / "logits.pt", env)
+    assert name == "TinyLatentForCausalLM"
+    torch.testing.assert_close(logits, sample_logits(result.model), rtol=1e-5, atol=1e-5)
+
+
+def test_resume_from_checkpoint_continues_the_run(checkpoints, lora_run):
+    output_dir, _ = lora_run
+    result = run_healing(_args(checkpoints, output_dir, max_steps=6, resume_from_checkpoint="last"))
+    assert result.summary["steps"] == 6
+    state = json.loads((output_dir / "checkpoint-6" / "trainer_state.json").read_text())
+    steps = [e["step"] for e in state["log_history"] if "loss" in e]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    history = json.loads((output_dir / "ppl_history.json").read_text())
+    assert [p["step"] for p in history["points"]] == [0, 2, 4, 6]
+
+
+def test_full_fine_tuning_without_teacher_changes_every_layer(checkpoints, tmp_path):
+    args = _args(
+        checkpoints, tmp_path / "full", model_name_or_path=str(checkpoints["teacher"]), trust_remote_code=False,
+        teacher_model_name_or_path=None, kd_beta=0.0, use_lora=False, validation_file=None, max_steps=2,
+        learning_rate=1e-3,
+    )
+    result = run_healing(args)
+    assert result.summary["trainable_parameters"] == sum(p.numel() for p in result.model.parameters())
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"]).state_dict()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").state_dict()
+    assert not torch.equal(original["model.layers.0.mlp.down_proj.weight"], reloaded["model.layers.0.mlp.down_proj.weight"])
+    assert not (tmp_path / "full" / "adapter").exists()
