@@ -15,10 +15,8 @@ Several processes (one teacher copy per process, on that process's device):
     accelerate launch --num_processes 4 scripts/heal.py ...same options...
 """
 
-import inspect
 import json
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
+from ..hub import copy_remote_code
 from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
 from .losses import compute_healing_loss
 from .monitor import PerplexityCallback, plot_perplexity_curve, read_history
@@ -253,46 +252,6 @@ def _check_finite(model) -> None:
     for name, param in model.named_parameters():
         if not torch.isfinite(param).all():
             raise ValueError(f"the healed weights are not finite in {name}: lower the learning rate or use --bf16 off")
-
-
-def _auto_map_files(config) -> set[str]:
-    """The module files named by a config's `auto_map` (local references only, not `repo--module.Class`)."""
-    names = set()
-    for value in (getattr(config, "auto_map", None) or {}).values():
-        for ref in value if isinstance(value, (list, tuple)) else [value]:
-            if ref and "--" not in ref:
-                names.add(ref.rsplit(".", 1)[0] + ".py")
-    return names
-
-
-def copy_remote_code(model, output_dir: str | Path, source_dir: str | Path | None = None) -> list[str]:
-    """Copies the modeling/configuration files a trust_remote_code model needs into `output_dir`.
-
-    `save_pretrained` already does this for models loaded through an Auto class; this fills the gap when it did not
-    (for example a model built by hand and registered later). Files are looked up next to the loaded model class
-    (transformers' dynamic-module copy, with its relative imports) and then in `source_dir`.
-
-    Returns:
-        `list[str]`: the files copied.
-    """
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    output_dir = Path(output_dir)
-    search = [Path(inspect.getfile(type(model))).parent]
-    if source_dir is not None and Path(source_dir).is_dir():
-        search.append(Path(source_dir))
-    copied = []
-    for name in sorted(_auto_map_files(model.config)):
-        if (output_dir / name).is_file():
-            continue
-        found = next((d / name for d in search if (d / name).is_file()), None)
-        if found is None:
-            raise FileNotFoundError(f"auto_map names {name}, but it is in none of {[str(d) for d in search]}")
-        for path in [found, *map(Path, get_relative_import_files(str(found)))]:
-            if not (output_dir / path.name).is_file():
-                shutil.copy(path, output_dir / path.name)
-                copied.append(path.name)
-    return copied
 
 
 def save_healed_model(model, tokenizer, output_dir: str | Path, source_dir: str | Path | None = None):
