@@ -46,9 +46,7 @@ ARTIFACT_KINDS = {
     # (smaller KV cache) like a quantization is, hence "quantized" (a healed one is still that compression).
     "converted-model": ArtifactKind("converted_model.md", "transformers", "quantized", ("hf-accel", "kv-cache")),
     "lora-adapter": ArtifactKind("lora_adapter.md", "peft", "adapter", ("hf-accel", "lora")),
-    "drafter-adapter": ArtifactKind(
-        "drafter_adapter.md", "hf-accel", "adapter", ("hf-accel", "speculative-decoding")
-    ),
+    "drafter-adapter": ArtifactKind("drafter_adapter.md", "hf-accel", "adapter", ("hf-accel", "speculative-decoding")),
     "drafter-index": ArtifactKind(
         "drafter_index.md", "hf-accel", None, ("hf-accel", "speculative-decoding", "ngram-index"), None
     ),
@@ -166,18 +164,32 @@ def write_model_card(
     all_tags = list(dict.fromkeys([*spec.tags, *tags, *(f"arxiv:{p['arxiv']}" for p in papers if p.get("arxiv"))]))
     relation = spec.base_model_relation if base_model_relation == "default" else base_model_relation
     card_data = ModelCardData(
-        base_model=hub_base_model(base_model), base_model_relation=relation, library_name=spec.library_name,
-        pipeline_tag=spec.pipeline_tag, tags=all_tags, datasets=datasets, license=license, model_name=name,
+        base_model=hub_base_model(base_model),
+        base_model_relation=relation,
+        library_name=spec.library_name,
+        pipeline_tag=spec.pipeline_tag,
+        tags=all_tags,
+        datasets=datasets,
+        license=license,
+        model_name=name,
         eval_results=_eval_results(eval_results, name) or None,
     )
     ratio = None
     if kv_bytes_per_token and base_kv_bytes_per_token:
         ratio = kv_bytes_per_token / base_kv_bytes_per_token
     card = ModelCard.from_template(
-        card_data, template_path=str(Path(template_dir or HUB_CARDS_DIR) / spec.template), model_name=name,
-        repo_id=repo_id or f"<your-namespace>/{name}", base_model=card_data.base_model, description=description,
-        settings=settings or {}, eval_results=card_data.eval_results or [], kv_bytes_per_token=kv_bytes_per_token,
-        base_kv_bytes_per_token=base_kv_bytes_per_token, kv_ratio=ratio, papers=papers,
+        card_data,
+        template_path=str(Path(template_dir or HUB_CARDS_DIR) / spec.template),
+        model_name=name,
+        repo_id=repo_id or f"<your-namespace>/{name}",
+        base_model=card_data.base_model,
+        description=description,
+        settings=settings or {},
+        eval_results=card_data.eval_results or [],
+        kv_bytes_per_token=kv_bytes_per_token,
+        base_kv_bytes_per_token=base_kv_bytes_per_token,
+        kv_ratio=ratio,
+        papers=papers,
         ranks_plot=_local_image(output_dir, ranks_plot, ("ranks*.png",)),
         ppl_plot=_local_image(output_dir, None, ("ppl_curve.png",)),
     )
@@ -312,7 +324,9 @@ def push_to_hub(
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         api.upload_folder(
-            repo_id=url.repo_id, folder_path=folder, commit_message=commit_message or f"Upload {folder.name}",
+            repo_id=url.repo_id,
+            folder_path=folder,
+            commit_message=commit_message or f"Upload {folder.name}",
             ignore_patterns=list(ignore_patterns),
         )
     except HfHubHTTPError as err:  # before OSError: it is one
@@ -403,7 +417,9 @@ def add_cli(commands) -> None:
     push.add_argument("--token", default=None, help="a write token (default: the saved one or $HF_TOKEN)")
     push.add_argument("--message", default=None, help="the commit message")
     push.add_argument(
-        "--to-cache", metavar="CACHE_DIR", default=None,
+        "--to-cache",
+        metavar="CACHE_DIR",
+        default=None,
         help="write into a local Hugging Face cache in the Hub's layout instead of uploading (offline machines)",
     )
     push.set_defaults(func=_run_push)

@@ -5,7 +5,7 @@ Every option is a field of `hf_accel.training.heal.HealingArguments` or of `tran
 
     python scripts/heal.py --model_name_or_path CONVERTED_DIR --trust_remote_code \
         --teacher_model_name_or_path smollm2-135m --train_files corpus.txt --validation_file heldout.txt \
-        --output_dir healed --max_steps 1000 --learning_rate 2e-4 --lr_scheduler_type cosine --warmup_ratio 0.03
+        --output_dir healed --max_steps 1000 --learning_rate 2e-4 --lr_scheduler_type cosine --warmup_steps 0.03
 
 Several processes or GPUs (same options; each process holds its own teacher copy):
 

@@ -9,7 +9,9 @@ def add_cli(commands) -> None:
     # The options are HealingArguments/TrainingArguments fields, parsed by HfArgumentParser in `_run_heal`
     # (`hf-accel train heal --help` lists them); argparse here only passes them through.
     heal = methods.add_parser(
-        "heal", add_help=False, help="CE + distillation fine-tuning of a converted model (LoRA or full)",
+        "heal",
+        add_help=False,
+        help="CE + distillation fine-tuning of a converted model (LoRA or full)",
         description="options: see `hf-accel train heal --help` (HealingArguments and TrainingArguments)",
     )
     heal.set_defaults(func=_run_heal, accepts_unknown_args=True)

@@ -72,7 +72,8 @@ class HealingArguments(TrainingArguments):
     """
 
     model_name_or_path: str = field(
-        default="smollm2-135m", metadata={"help": "The model to heal: a converted checkpoint directory, Hub id, alias."}
+        default="smollm2-135m",
+        metadata={"help": "The model to heal: a converted checkpoint directory, Hub id, alias."},
     )
     teacher_model_name_or_path: str | None = field(
         default=None, metadata={"help": "The original model (teacher). Required when kd_beta > 0."}
@@ -153,8 +154,6 @@ class HealingTrainer(Trainer):
             add `labels` (see [`PackedBlockCollator`]).
     """
 
-    _tag_names = ["hf-accel", "healing", "distillation"]
-
     def __init__(self, *args, teacher_model=None, kd_temperature: float = 4.0, kd_beta: float = 0.5, **kwargs):
         super().__init__(*args, **kwargs)
         self.kd_temperature, self.kd_beta = kd_temperature, kd_beta
@@ -175,7 +174,11 @@ class HealingTrainer(Trainer):
             with torch.no_grad():
                 teacher_logits = self.teacher_model(**inputs, use_cache=False).logits
         out = compute_healing_loss(
-            outputs.logits, teacher_logits, labels, self.kd_temperature, self.kd_beta,
+            outputs.logits,
+            teacher_logits,
+            labels,
+            self.kd_temperature,
+            self.kd_beta,
             num_items_in_batch=num_items_in_batch,
         )
         self._record_parts(out, labels, num_items_in_batch)
@@ -241,7 +244,10 @@ def prepare_student(model, args: HealingArguments):
 
     targets = resolve_lora_target_modules(model, args.lora_target_modules)
     config = LoraConfig(
-        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
         task_type="CAUSAL_LM",
     )
     logger.info(f"LoRA on {len(targets)} linear layers, e.g. {targets[:4]}")
@@ -283,7 +289,9 @@ def _load_models(args: HealingArguments):
     student, tokenizer = load_model_and_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     teacher = None
     if args.kd_beta > 0:
-        teacher, _ = load_model_and_tokenizer(args.teacher_model_name_or_path, trust_remote_code=args.trust_remote_code)
+        teacher, _ = load_model_and_tokenizer(
+            args.teacher_model_name_or_path, trust_remote_code=args.trust_remote_code
+        )
         if teacher.get_output_embeddings().weight.shape[0] != student.get_output_embeddings().weight.shape[0]:
             raise ValueError("the teacher and the student have different vocabularies; distillation needs one")
     return student.train(), teacher, tokenizer
@@ -303,7 +311,13 @@ def _perplexity_callback(args: HealingArguments, tokenizer, teacher):
         reference = compute_perplexity(teacher, tokenizer, text, seq_len, args.validation_max_tokens, progress=False)
         reference = reference["ppl"]
     return PerplexityCallback(
-        tokenizer, text, _tokens_per_step(args), args.ppl_eval_steps, history_file, seq_len, args.validation_max_tokens,
+        tokenizer,
+        text,
+        _tokens_per_step(args),
+        args.ppl_eval_steps,
+        history_file,
+        seq_len,
+        args.validation_max_tokens,
         reference_ppl=reference,
     )
 
@@ -318,6 +332,65 @@ def _resume_target(args: HealingArguments):
             raise ValueError(f"--resume_from_checkpoint {value}: no checkpoint-* directory in {args.output_dir}")
         return last
     return value
+
+
+_CARD_SETTINGS = (
+    "kd_temperature",
+    "kd_beta",
+    "use_lora",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "train_seq_len",
+    "dataset_name",
+    "dataset_config",
+    "dataset_split",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta2",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+)
+
+
+def healing_settings(args: HealingArguments, summary: dict | None = None) -> dict:
+    """The healing options worth showing on a model card (prefixed `healing_`), with the run's steps and tokens."""
+    settings = {f"healing_{name}": getattr(args, name) for name in _CARD_SETTINGS if getattr(args, name) is not None}
+    if args.train_files:
+        settings["healing_train_files"] = ", ".join(Path(f).name for f in args.train_files)
+    if not args.use_lora:
+        for name in ("healing_lora_r", "healing_lora_alpha", "healing_lora_target_modules"):
+            settings.pop(name)
+    if summary:
+        settings.update(healing_steps=summary["steps"], healing_train_tokens=summary["train_tokens"])
+    return settings
+
+
+def _write_card(args: HealingArguments, summary: dict) -> None:
+    """A `converted-model` card for the healed checkpoint; the converter's settings and KV bytes are added by
+    calling `hf_accel.hub.write_model_card` again with `settings={**conversion, **healing_settings(args)}`."""
+    from ..hub import hub_base_model, write_model_card
+
+    base = args.teacher_model_name_or_path or args.model_name_or_path
+    try:
+        hub_base_model(base)
+    except ValueError:
+        logger.warning(f"no model card written: the base model {base!r} is not a Hub id (use hf_accel.hub)")
+        return
+    results = None
+    if summary["ppl"] is not None:
+        name = Path(args.validation_file).name
+        results = [{"metric_type": "perplexity", "metric_value": round(summary["ppl"], 4), "dataset_name": name}]
+    write_model_card(
+        args.output_dir,
+        "converted-model",
+        base,
+        settings=healing_settings(args, summary),
+        eval_results=results,
+        description="Healed with cross-entropy plus distillation from the original model (`hf-accel train heal`).",
+    )
 
 
 @dataclass
@@ -338,12 +411,20 @@ def _build_trainer(args: HealingArguments) -> tuple[HealingTrainer, object, Perp
     model = prepare_student(student, args)
     with args.main_process_first(desc="tokenize and pack"):
         texts = load_text_dataset(args.dataset_name, args.dataset_config, args.dataset_split, args.train_files)
-        train_dataset = tokenize_and_pack(texts, tokenizer, args.train_seq_len, args.text_column, args.max_train_blocks)
+        train_dataset = tokenize_and_pack(
+            texts, tokenizer, args.train_seq_len, args.text_column, args.max_train_blocks
+        )
     callback = _perplexity_callback(args, tokenizer, teacher)
     trainer = HealingTrainer(
-        model=model, args=args, train_dataset=train_dataset, data_collator=PackedBlockCollator(),
-        processing_class=tokenizer, teacher_model=teacher, kd_temperature=args.kd_temperature,
-        kd_beta=args.kd_beta, callbacks=[callback] if callback else None,
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        data_collator=PackedBlockCollator(),
+        processing_class=tokenizer,
+        teacher_model=teacher,
+        kd_temperature=args.kd_temperature,
+        kd_beta=args.kd_beta,
+        callbacks=[callback] if callback else None,
     )
     return trainer, tokenizer, callback
 
@@ -388,6 +469,7 @@ def run_healing(args: HealingArguments) -> HealingResult:
             history = callback.history
             summary.update(ppl=history["points"][-1]["ppl"], reference_ppl=history["reference_ppl"])
             summary["plot"] = str(plot_perplexity_curve(history, Path(args.output_dir) / PLOT_FILE))
+        _write_card(args, summary)
         (Path(args.output_dir) / "healing_summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     trainer.accelerator.wait_for_everyone()
     return HealingResult(model=merged, summary=summary)

@@ -78,7 +78,7 @@ def compute_kd_loss(
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    student, targets, valid = _shift(student_logits.float(), labels, ignore_index)
+    student, _, valid = _shift(student_logits.float(), labels, ignore_index)
     teacher, _, _ = _shift(teacher_logits.float(), labels, ignore_index)
     student_logp = F.log_softmax(student[valid] / temperature, dim=-1)  # [n, V]
     teacher_logp = F.log_softmax(teacher[valid] / temperature, dim=-1)  # [n, V]

@@ -69,8 +69,15 @@ class PerplexityCallback(TrainerCallback):
     """
 
     def __init__(
-        self, tokenizer, text: str, tokens_per_step: int, eval_steps: int, history_file, seq_len: int = 512,
-        max_tokens: int | None = None, reference_ppl: float | None = None,
+        self,
+        tokenizer,
+        text: str,
+        tokens_per_step: int,
+        eval_steps: int,
+        history_file,
+        seq_len: int = 512,
+        max_tokens: int | None = None,
+        reference_ppl: float | None = None,
     ):
         if eval_steps <= 0:
             raise ValueError(f"eval_steps must be positive, got {eval_steps}")

@@ -1,4 +1,5 @@
 import json
+import math
 import os
 
 import pytest
@@ -27,13 +28,28 @@ def checkpoints(tmp_path_factory):
 
 def _args(checkpoints, output_dir, **overrides):
     root = checkpoints["root"]
-    kwargs = dict(
-        output_dir=str(output_dir), model_name_or_path=str(checkpoints["student"]), trust_remote_code=True,
-        teacher_model_name_or_path=str(checkpoints["teacher"]), train_files=[str(root / "train.txt")],
-        validation_file=str(root / "heldout.txt"), train_seq_len=32, validation_max_tokens=128, ppl_eval_steps=2,
-        per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1, learning_rate=1e-2,
-        lora_r=4, lora_alpha=8, report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
-    )
+    kwargs = {
+        "output_dir": str(output_dir),
+        "model_name_or_path": str(checkpoints["student"]),
+        "trust_remote_code": True,
+        "teacher_model_name_or_path": str(checkpoints["teacher"]),
+        "train_files": [str(root / "train.txt")],
+        "validation_file": str(root / "heldout.txt"),
+        "train_seq_len": 32,
+        "validation_max_tokens": 128,
+        "ppl_eval_steps": 2,
+        "per_device_train_batch_size": 2,
+        "max_steps": 4,
+        "save_steps": 2,
+        "logging_steps": 1,
+        "learning_rate": 1e-2,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+    }
     kwargs.update(overrides)
     return HealingArguments(**kwargs)
 
@@ -59,7 +75,9 @@ def test_lora_targets_include_renamed_latent_projections(checkpoints):
     targets = resolve_lora_target_modules(model)
     assert "model.layers.1.self_attn.k_proj.down" in targets and "model.layers.1.self_attn.v_proj.up" in targets
     assert not any("mlp" in t or "lm_head" in t for t in targets)
-    assert resolve_lora_target_modules(model, r"k_proj\.down") == [f"model.layers.{i}.self_attn.k_proj.down" for i in (0, 1)]
+    assert resolve_lora_target_modules(model, r"k_proj\.down") == [
+        f"model.layers.{i}.self_attn.k_proj.down" for i in (0, 1)
+    ]
     with pytest.raises(ValueError, match="matches no linear layer"):
         resolve_lora_target_modules(model, "nothing_here")
 
@@ -84,7 +102,7 @@ def test_lora_healing_trains_merges_and_reports(checkpoints, lora_run):
     assert (output_dir / "adapter" / "adapter_config.json").is_file()
     state = json.loads((output_dir / "checkpoint-4" / "trainer_state.json").read_text())
     losses = [e["loss"] for e in state["log_history"] if "loss" in e]
-    assert len(losses) == 4 and all(map(lambda x: x == x and abs(x) < 1e6, losses))
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert all("kd_loss" in e and "ce_loss" in e for e in state["log_history"] if "loss" in e)
 
     # LoRA touched the attention projections (renamed ones included), nothing else.
@@ -121,8 +139,15 @@ def test_resume_from_checkpoint_continues_the_run(checkpoints, lora_run):
 
 def test_full_fine_tuning_without_teacher_changes_every_layer(checkpoints, tmp_path):
     args = _args(
-        checkpoints, tmp_path / "full", model_name_or_path=str(checkpoints["teacher"]), trust_remote_code=False,
-        teacher_model_name_or_path=None, kd_beta=0.0, use_lora=False, validation_file=None, max_steps=2,
+        checkpoints,
+        tmp_path / "full",
+        model_name_or_path=str(checkpoints["teacher"]),
+        trust_remote_code=False,
+        teacher_model_name_or_path=None,
+        kd_beta=0.0,
+        use_lora=False,
+        validation_file=None,
+        max_steps=2,
         learning_rate=1e-3,
     )
     result = run_healing(args)
@@ -131,5 +156,73 @@ def test_full_fine_tuning_without_teacher_changes_every_layer(checkpoints, tmp_p
 
     original = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"]).state_dict()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").state_dict()
-    assert not torch.equal(original["model.layers.0.mlp.down_proj.weight"], reloaded["model.layers.0.mlp.down_proj.weight"])
+    assert not torch.equal(
+        original["model.layers.0.mlp.down_proj.weight"], reloaded["model.layers.0.mlp.down_proj.weight"]
+    )
     assert not (tmp_path / "full" / "adapter").exists()
+
+
+def test_cli_train_heal_runs_the_same_pipeline(checkpoints, tmp_path, capsys):
+    from hf_accel.cli import main
+
+    root = checkpoints["root"]
+    argv = [
+        "train",
+        "heal",
+        "--model_name_or_path",
+        str(checkpoints["teacher"]),
+        "--kd_beta",
+        "0",
+        "--train_files",
+        str(root / "train.txt"),
+        "--output_dir",
+        str(tmp_path / "cli"),
+        "--train_seq_len",
+        "32",
+        "--max_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "2",
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "true",
+        "--lora_r",
+        "2",
+        "--lora_alpha",
+        "2",
+        "--lora_target_modules",
+        r"q_proj,v_proj",
+        "--disable_tqdm",
+        "true",
+    ]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 1 and summary["ppl"] is None
+    assert json.loads((tmp_path / "cli" / "adapter" / "adapter_config.json").read_text())["r"] == 2
+    # Bad options are one line on stderr and exit code 2, not a traceback.
+    assert main(["train", "heal", "--train_files", "x.txt"]) == 2
+    assert "needs a teacher" in capsys.readouterr().err
+    assert main(["train", "heal", "--kd_beta", "0", "--train_files", "x.txt", "--no_such_option", "1"]) == 2
+    assert "--no_such_option" in capsys.readouterr().err
+
+
+def test_healing_settings_for_the_model_card(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from hf_accel.hub import write_model_card
+    from hf_accel.training.heal import healing_settings
+
+    args = HealingArguments(
+        output_dir=str(tmp_path),
+        teacher_model_name_or_path="smollm2-135m",
+        train_files=["/data/corpus.txt"],
+        learning_rate=2e-4,
+        report_to="none",
+    )
+    settings = healing_settings(args, {"steps": 10, "train_tokens": 5120})
+    assert settings["healing_kd_temperature"] == 4.0 and settings["healing_kd_beta"] == 0.5
+    assert settings["healing_lora_r"] == 32 and settings["healing_train_files"] == "corpus.txt"
+    assert settings["healing_train_tokens"] == 5120
+    write_model_card(tmp_path, "converted-model", "smollm2-135m", settings={"kv_keep": 0.5, **settings})
+    assert "`healing_kd_beta` | `0.5`" in ModelCard.load(tmp_path / "README.md").text
