@@ -15,11 +15,20 @@ import inspect
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
-HUB_CARDS_DIR = Path(__file__).resolve().parents[1] / "hub_cards"
+# The repository's hub_cards/ (source checkouts, editable installs), else where a wheel puts it (pyproject data-files).
+HUB_CARDS_DIR = next(
+    (
+        d
+        for d in (Path(__file__).resolve().parents[1] / "hub_cards", Path(sys.prefix) / "share/hf_accel/hub_cards")
+        if d.is_dir()
+    ),
+    Path(__file__).resolve().parents[1] / "hub_cards",
+)
 # Trainer checkpoints (optimizer states) and logs are not part of a published artifact.
 DEFAULT_IGNORE_PATTERNS = ("checkpoint-*", "checkpoint-*/*", "runs/*", "*/.cache/*", ".cache/*")
 # Aliases of this project that stand for Hub repositories (the card's `base_model` must be a Hub id).

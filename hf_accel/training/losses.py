@@ -80,8 +80,10 @@ def compute_kd_loss(
         raise ValueError(f"temperature must be positive, got {temperature}")
     student, _, valid = _shift(student_logits.float(), labels, ignore_index)
     teacher, _, _ = _shift(teacher_logits.float(), labels, ignore_index)
-    student_logp = F.log_softmax(student[valid] / temperature, dim=-1)  # [n, V]
-    teacher_logp = F.log_softmax(teacher[valid] / temperature, dim=-1)  # [n, V]
+    if not valid.all():  # packed blocks have no masked position: skip the [n, V] copies then
+        student, teacher = student[valid], teacher[valid]
+    student_logp = F.log_softmax(student / temperature, dim=-1)  # [n, V]
+    teacher_logp = F.log_softmax(teacher / temperature, dim=-1)  # [n, V]
     # KL(p_T || p_S) = Σ_v p_T (log p_T - log p_S), per position.
     kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(dim=-1)  # [n]
     return kl.sum() / _denominator(valid, num_items_in_batch)

@@ -226,3 +226,15 @@ def test_healing_settings_for_the_model_card(tmp_path):
     assert settings["healing_train_tokens"] == 5120
     write_model_card(tmp_path, "converted-model", "smollm2-135m", settings={"kv_keep": 0.5, **settings})
     assert "`healing_kd_beta` | `0.5`" in ModelCard.load(tmp_path / "README.md").text
+
+
+def test_scripts_heal_parses_healing_arguments(capsys):
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "heal.py"), run_name="heal_script")
+    with pytest.raises(SystemExit) as exit_info:
+        script["main"](["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--teacher_model_name_or_path" in out and "--lora_target_modules" in out and "--output_dir" in out
