@@ -10,6 +10,7 @@ Every option is a field of `hf_accel.training.heal.HealingArguments` or of `tran
 Several processes or GPUs (same options; each process holds its own teacher copy):
 
     accelerate launch --num_processes 4 scripts/heal.py ...same options...
+    torchrun --nproc_per_node 2 scripts/heal.py --use_cpu true ...same options...   # CPU processes (gloo)
 
 Resume an interrupted run with `--resume_from_checkpoint last` (or a `checkpoint-N` directory).
 """
@@ -24,7 +25,8 @@ from hf_accel.training.heal import HealingArguments, run_healing
 def main(argv=None) -> int:
     (args,) = HfArgumentParser(HealingArguments).parse_args_into_dataclasses(args=argv)
     result = run_healing(args)
-    print(json.dumps(result.summary))
+    if args.process_index == 0:
+        print(json.dumps(result.summary))
     return 0
 
 

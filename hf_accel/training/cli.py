@@ -26,5 +26,6 @@ def _run_heal(args: argparse.Namespace) -> int:
     parser = HfArgumentParser(HealingArguments, prog="hf-accel train heal")
     (healing_args,) = parser.parse_args_into_dataclasses(args=args.unknown_args)
     result = run_healing(healing_args)
-    print_json(result.summary)
+    if healing_args.process_index == 0:
+        print_json(result.summary)
     return 0
