@@ -181,7 +181,8 @@ class HealingTrainer(Trainer):
             self.kd_beta,
             num_items_in_batch=num_items_in_batch,
         )
-        self._record_parts(out, labels, num_items_in_batch)
+        if model.training:
+            self._record_parts(out, labels, num_items_in_batch)
         loss = out.loss
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # num_items_in_batch counts every process's tokens; DDP averages gradients: undo that mean (as Trainer).
@@ -190,16 +191,17 @@ class HealingTrainer(Trainer):
 
     def _record_parts(self, out, labels, num_items_in_batch) -> None:
         # Log each part as a per-token mean of this micro-batch, whatever the normalisation used for the gradient.
+        # Tensors, not floats: no host sync per step; they are read when the Trainer logs.
         scale = 1.0
         if num_items_in_batch is not None:
-            scale = float(num_items_in_batch) / max(1, int((labels[..., 1:] != -100).sum()))
-        self._loss_parts["ce"].append(out.ce.detach().item() * scale)
-        self._loss_parts["kd"].append(out.kd.detach().item() * scale)
+            scale = num_items_in_batch / (labels[..., 1:] != -100).sum().clamp(min=1)
+        self._loss_parts["ce"].append((out.ce * scale).detach())
+        self._loss_parts["kd"].append((out.kd * scale).detach())
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs and self._loss_parts["ce"]:
             for name, values in self._loss_parts.items():
-                logs[f"{name}_loss"] = sum(values) / len(values)
+                logs[f"{name}_loss"] = torch.stack(values).float().mean().item()
                 values.clear()
         super().log(logs, *args, **kwargs)
 
@@ -257,7 +259,9 @@ def prepare_student(model, args: HealingArguments):
 def _check_finite(model) -> None:
     for name, param in model.named_parameters():
         if not torch.isfinite(param).all():
-            raise ValueError(f"the healed weights are not finite in {name}: lower the learning rate or use --bf16 off")
+            raise ValueError(
+                f"the healed weights are not finite in {name}: lower --learning_rate, or train without --fp16"
+            )
 
 
 def save_healed_model(model, tokenizer, output_dir: str | Path, source_dir: str | Path | None = None):

@@ -238,3 +238,25 @@ def test_scripts_heal_parses_healing_arguments(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--teacher_model_name_or_path" in out and "--lora_target_modules" in out and "--output_dir" in out
+
+
+def test_dataset_sources_tokenize_and_pack(tmp_path):
+    import datasets
+
+    from hf_accel.training.data import load_text_dataset, tokenize_and_pack
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    datasets.Dataset.from_dict({"content": ["abc", "", "de"]}).save_to_disk(str(tmp_path / "saved"))
+    rows = load_text_dataset(dataset_name=str(tmp_path / "saved"))
+    packed = tokenize_and_pack(rows, tokenizer, seq_len=3, text_column="content")
+    ids = tokenizer("abcde", add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    # "abc" EOS "de" EOS: 7 tokens, two blocks of 3 (empty rows are skipped).
+    assert packed["input_ids"] == [ids[:3], [eos, ids[3], ids[4]]]
+    (tmp_path / "a.txt").write_text("hello")
+    assert load_text_dataset(text_files=[str(tmp_path / "a.txt")])["text"] == ["hello"]
+    with pytest.raises(FileNotFoundError):
+        load_text_dataset(text_files=[str(tmp_path / "missing.txt")])
+    with pytest.raises(ValueError, match="no column"):
+        tokenize_and_pack(rows, tokenizer, seq_len=3)
