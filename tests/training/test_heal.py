@@ -260,3 +260,43 @@ def test_dataset_sources_tokenize_and_pack(tmp_path):
         load_text_dataset(text_files=[str(tmp_path / "missing.txt")])
     with pytest.raises(ValueError, match="no column"):
         tokenize_and_pack(rows, tokenizer, seq_len=3)
+
+
+def test_healing_moves_a_damaged_student_towards_its_teacher(checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel.training.losses import compute_kd_loss
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    teacher = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"]).eval()
+    damaged = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in damaged.model.layers:  # a crude "conversion": noisy key/value projections
+            layer.self_attn.k_proj.weight.add_(0.2 * torch.randn_like(layer.self_attn.k_proj.weight))
+            layer.self_attn.v_proj.weight.add_(0.2 * torch.randn_like(layer.self_attn.v_proj.weight))
+    damaged.save_pretrained(tmp_path / "damaged")
+    make_char_tokenizer().save_pretrained(tmp_path / "damaged")
+    input_ids = make_char_tokenizer()(HELD_OUT[:64], return_tensors="pt")["input_ids"]
+
+    def distance(model):
+        with torch.no_grad():
+            student_logits, teacher_logits = model.eval()(input_ids).logits, teacher(input_ids).logits
+            return compute_kd_loss(student_logits, teacher_logits, input_ids, temperature=1.0).item()
+
+    before = distance(damaged)
+    args = _args(
+        checkpoints,
+        tmp_path / "healed",
+        model_name_or_path=str(tmp_path / "damaged"),
+        trust_remote_code=False,
+        validation_file=None,
+        kd_beta=100.0,  # distillation only, in effect: CE on this tiny text would pull away from the teacher
+        kd_temperature=1.0,
+        use_lora=False,
+        max_steps=12,
+        save_steps=100,
+        learning_rate=1e-3,
+    )
+    after = distance(run_healing(args).model)
+    assert after < 0.8 * before
