@@ -27,7 +27,7 @@ import torch
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
-def _validate_bits(bits: int) -> None:
+def validate_bits(bits: int) -> None:
     if not isinstance(bits, int) or bits not in SUPPORTED_BITS:
         raise ValueError(f"`bits` must be an integer in 1..8 (Palu uses 2, 3 or 4), got {bits!r}.")
 
@@ -64,7 +64,7 @@ def compute_bytes_per_token(
     Returns:
         `int`: `ceil(dim·b / 8) + 2 · (dim / group_size) · sizeof(meta_dtype)`.
     """
-    _validate_bits(bits)
+    validate_bits(bits)
     num_groups = dim // resolve_group_size(dim, group_size)
     meta_bytes = torch.empty((), dtype=meta_dtype).element_size()
     return math.ceil(dim * bits / 8) + 2 * num_groups * meta_bytes
@@ -81,7 +81,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     Returns:
         `torch.Tensor` of dtype `uint8` and shape `[..., ceil(dim·bits/8)]`.
     """
-    _validate_bits(bits)
+    validate_bits(bits)
     lead, dim = codes.shape[:-1], codes.shape[-1]
     shifts = torch.arange(bits, device=codes.device)
     stream = ((codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(*lead, dim * bits)  # [..., dim·bits]
@@ -103,7 +103,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     Returns:
         `torch.Tensor` of dtype `uint8` and shape `[..., dim]`.
     """
-    _validate_bits(bits)
+    validate_bits(bits)
     lead = packed.shape[:-1]
     shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
     stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(*lead, -1)[..., : dim * bits]
@@ -189,7 +189,7 @@ def quantize_per_token(
     (torch.Size([2, 5, 24]), torch.Size([2, 5, 1]))
     ```
     """
-    _validate_bits(bits)
+    validate_bits(bits)
     dim = x.shape[-1]
     size = resolve_group_size(dim, group_size)
     grouped = x.float().reshape(*x.shape[:-1], dim // size, size)  # [..., num_groups, group_size]
