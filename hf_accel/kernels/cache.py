@@ -53,7 +53,8 @@ class PaluQuantizedLayer(DynamicLayer):
         validate_bits(bits)  # at construction, not mid-generation
         if not isinstance(residual_length, int) or residual_length < 0:
             raise ValueError(f"`residual_length` must be a non-negative integer, got {residual_length!r}.")
-        self.bits, self.group_size, self.residual_length, self.meta_dtype = bits, group_size, residual_length, meta_dtype
+        self.bits, self.group_size, self.meta_dtype = bits, group_size, meta_dtype
+        self.residual_length = residual_length
         self.quantized_keys: QuantizedLatents | None = None
         self.quantized_values: QuantizedLatents | None = None
 

@@ -98,9 +98,7 @@ def apply_hadamard(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(chunks, dim=-1).to(x.dtype).movedim(-1, dim)
 
 
-def fold_hadamard_into_factors(
-    down_proj: torch.Tensor, up_proj: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fold_hadamard_into_factors(down_proj: torch.Tensor, up_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     Fold the latent rotation into a low-rank pair: `A → A H` and `B → Hᵀ B` (spec 002 Eq. 7).
 

@@ -152,7 +152,7 @@ def cat_quantized(items: list[QuantizedLatents], dim: int) -> QuantizedLatents:
     first = items[0]
     if dim >= first.codes.dim() - 1 or dim == -1:
         raise ValueError(f"Quantized latents can only be concatenated along a leading dimension, got dim={dim}.")
-    cat = lambda name: torch.cat([getattr(item, name) for item in items], dim=dim)  # noqa: E731
+    cat = lambda name: torch.cat([getattr(item, name) for item in items], dim=dim)
     return QuantizedLatents(cat("codes"), cat("scales"), cat("zeros"), first.bits, first.group_size, first.dim)
 
 

@@ -32,7 +32,7 @@ class _Reference:
         self.fp[:, : max(0, self.fp.shape[1] - self.window)] = False
 
     def select(self, index):
-        gather = lambda t: t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))  # noqa: E731
+        gather = lambda t: t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
         self.k, self.v, self.fp = gather(self.k), gather(self.v), self.fp.gather(1, index)
         # the window is the trailing run of positions that are full precision in every row
         trailing = self.fp.all(0).flip(0).int().cumprod(0).sum()
@@ -40,7 +40,7 @@ class _Reference:
         self.fp[:, self.fp.shape[1] - trailing :] = True
 
     def states(self):
-        pick = lambda raw: torch.where(self.fp[:, None, :, None], raw, _qdq(raw, self.bits))  # noqa: E731
+        pick = lambda raw: torch.where(self.fp[:, None, :, None], raw, _qdq(raw, self.bits))
         return pick(self.k), pick(self.v)
 
 

@@ -1,0 +1,184 @@
+"""Triton versions of the Palu kernels; same signatures as `reference.py` (spec 002 §3.1, §3.2).
+
+Imported only through the kernel registry (`get_kernel(name, "triton")`), never at package import. On CPU they run
+under the Triton interpreter (`TRITON_INTERPRET=1`), which is how the tests check them against the references.
+
+Design differences with the Palu code's `_abx_fwd` (spec §3.1):
+- one program per (batch row, key/value head, sequence tile) rebuilds the key tile **once** and scores it against
+  all `num_heads / num_key_value_heads · q_len` query rows of that head (GQA and tree verification), instead of one
+  program per query head rebuilding the same tile again;
+- positions are read per token (`key_positions`), not assumed to be `0..L-1`, and RoPE uses the model's
+  `inv_freq` and `attention_scaling`, so θ and the scaled rope types are covered;
+- any head_dim (even), any rank, any number of heads, batch > 1.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant import QuantizedLatents
+from .reference import _check_dequantize_matmul_shapes, _check_rope_shapes
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    # float32 inputs: exact IEEE products (TF32 would cost ~1e-3 relative error); half inputs: tensor cores
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _rebuild_key_tile(
+    latent_base, up_base, offs_s, mask_s, offs_h, mask_h, rank, up_row,
+    HALF: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # K_tile = H_tile · B_head, as its two rotate_half halves [BLOCK_S, BLOCK_HALF] each, accumulated in float32
+    acc1 = tl.zeros((BLOCK_S, BLOCK_HALF), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_S, BLOCK_HALF), dtype=tl.float32)
+    offs_r = tl.arange(0, BLOCK_R)
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + offs_r
+        mask_r = rr < rank
+        x = tl.load(
+            latent_base + offs_s[:, None] * rank + rr[None, :], mask=mask_s[:, None] & mask_r[None, :], other=0.0
+        )
+        w_ptrs = up_base + rr[:, None] * up_row + offs_h[None, :]
+        w_mask = mask_r[:, None] & mask_h[None, :]
+        w1 = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        w2 = tl.load(w_ptrs + HALF, mask=w_mask, other=0.0)
+        x = x.to(w1.dtype)
+        acc1 = _dot(x, w1, acc1, IEEE)
+        acc2 = _dot(x, w2, acc2, IEEE)
+    return acc1, acc2
+
+
+@triton.jit
+def _rope_key_scores_kernel(
+    q_ptr, latent_ptr, up_ptr, pos_ptr, inv_freq_ptr, out_ptr,
+    num_heads, num_kv_heads, q_len, seq_len, rank, kv_per_group, groups, attention_scaling, scaling,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_bk = tl.program_id(0).to(tl.int64)  # b · num_kv_heads + j
+    b, j = pid_bk // num_kv_heads, pid_bk % num_kv_heads
+    g, i = j // kv_per_group, j % kv_per_group  # head j is head i of latent group g
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    mask_s = offs_s < seq_len
+    offs_h = tl.arange(0, BLOCK_HALF)
+    mask_h = offs_h < HALF
+    up_row = kv_per_group * HEAD_DIM
+    latent_base = latent_ptr + (b * groups + g) * seq_len * rank
+    up_base = up_ptr + g * rank * up_row + i * HEAD_DIM
+    acc1, acc2 = _rebuild_key_tile(
+        latent_base, up_base, offs_s, mask_s, offs_h, mask_h, rank, up_row, HALF, BLOCK_S, BLOCK_R, BLOCK_HALF, IEEE
+    )
+    # reconstruct-then-RoPE at each token's absolute position (spec §2.3 decode step 2), rotate_half layout
+    pos = tl.load(pos_ptr + b * seq_len + offs_s, mask=mask_s, other=0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + offs_h, mask=mask_h, other=0.0)
+    freqs = pos[:, None] * inv_freq[None, :]
+    cos, sin = tl.cos(freqs) * attention_scaling, tl.sin(freqs) * attention_scaling
+    k1 = acc1 * cos - acc2 * sin
+    k2 = acc2 * cos + acc1 * sin
+    # every query row (head, t) of this key/value head reads the rebuilt tile: n_rep · q_len rows
+    num_rep = num_heads // num_kv_heads
+    num_rows = num_rep * q_len
+    offs_m = tl.arange(0, BLOCK_Q)
+    for m0 in range(0, num_rows, BLOCK_Q):
+        m = m0 + offs_m
+        mask_m = m < num_rows
+        row = (b * num_heads + j * num_rep + m // q_len) * q_len + m % q_len  # flat (b, head, t)
+        q_ptrs = q_ptr + row[:, None] * HEAD_DIM + offs_h[None, :]
+        q_mask = mask_m[:, None] & mask_h[None, :]
+        q1 = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        q2 = tl.load(q_ptrs + HALF, mask=q_mask, other=0.0)
+        scores = tl.zeros((BLOCK_Q, BLOCK_S), dtype=tl.float32)
+        scores = _dot(q1, tl.trans(k1.to(q1.dtype)), scores, IEEE)
+        scores = _dot(q2, tl.trans(k2.to(q1.dtype)), scores, IEEE)
+        out_ptrs = out_ptr + row[:, None] * seq_len + offs_s[None, :]
+        tl.store(out_ptrs, scores * scaling, mask=mask_m[:, None] & mask_s[None, :])
+
+
+def rope_key_scores(
+    query_states: torch.Tensor,
+    latent_keys: torch.Tensor,
+    up_proj: torch.Tensor,
+    key_positions: torch.LongTensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float = 1.0,
+    scaling: float = 1.0,
+) -> torch.Tensor:
+    """Triton version of [`~hf_accel.kernels.reference.rope_key_scores`]; same arguments and result."""
+    num_kv_heads, _ = _check_rope_shapes(query_states, latent_keys, up_proj, key_positions, inv_freq)
+    batch, num_heads, q_len, head_dim = query_states.shape
+    groups, rank, width = up_proj.shape
+    seq_len = latent_keys.shape[2]
+    out = torch.empty(batch, num_heads, q_len, seq_len, dtype=torch.float32, device=query_states.device)
+    if out.numel() == 0:
+        return out
+    half = head_dim // 2
+    block_s = 64
+    grid = (batch * num_kv_heads, triton.cdiv(seq_len, block_s))
+    _rope_key_scores_kernel[grid](
+        query_states.contiguous(), latent_keys.contiguous(), up_proj.contiguous(), key_positions.contiguous(),
+        inv_freq.float().contiguous(), out,
+        num_heads, num_kv_heads, q_len, seq_len, rank, width // head_dim, groups,
+        float(attention_scaling), float(scaling),
+        HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
+        BLOCK_S=block_s, BLOCK_R=32, BLOCK_Q=16, IEEE=query_states.dtype == torch.float32,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _dequantize_matmul_kernel(
+    codes_ptr, scales_ptr, zeros_ptr, w_ptr, out_ptr,
+    groups, seq_len, rank, n_out, num_bytes, num_qgroups, group_size, w_batch_stride,
+    BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_bg = tl.program_id(0).to(tl.int64)  # b · groups + g
+    b, g = pid_bg // groups, pid_bg % groups
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_s, mask_n = offs_s < seq_len, offs_n < n_out
+    token = pid_bg * seq_len + offs_s  # flat (b, g, s) token row
+    w_base = w_ptr + b * w_batch_stride + g * rank * n_out
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+    offs_r = tl.arange(0, BLOCK_R)
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + offs_r
+        mask = mask_s[:, None] & (rr < rank)[None, :]
+        # code c sits at bits [c·BITS, (c+1)·BITS) of the token's little-endian stream, possibly across two bytes
+        byte, shift = (rr * BITS) // 8, (rr * BITS) % 8
+        byte_ptrs = codes_ptr + token[:, None] * num_bytes + byte[None, :]
+        low = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
+        high = tl.load(byte_ptrs + 1, mask=mask & (byte + 1 < num_bytes)[None, :], other=0).to(tl.int32)
+        codes = ((low | (high << 8)) >> shift[None, :]) & ((1 << BITS) - 1)
+        meta = token[:, None] * num_qgroups + (rr // group_size)[None, :]
+        scales = tl.load(scales_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        zeros = tl.load(zeros_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_base + rr[:, None] * n_out + offs_n[None, :], mask=(rr < rank)[:, None] & mask_n[None, :])
+        x = codes.to(tl.float32) * scales + zeros  # X̂ = q·s + X_min, never written to memory
+        acc = _dot(x.to(w.dtype), w, acc, IEEE)
+    out_ptrs = out_ptr + token[:, None] * n_out + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=mask_s[:, None] & mask_n[None, :])
+
+
+def dequantize_matmul(quantized: QuantizedLatents, weight: torch.Tensor) -> torch.Tensor:
+    """Triton version of [`~hf_accel.kernels.reference.dequantize_matmul`]; same arguments and result."""
+    _check_dequantize_matmul_shapes(quantized, weight)
+    batch, groups, seq_len, num_bytes = quantized.codes.shape
+    rank, n_out = weight.shape[-2:]
+    out = torch.empty(batch, groups, seq_len, n_out, dtype=torch.float32, device=quantized.codes.device)
+    if out.numel() == 0:
+        return out
+    w_batch_stride = groups * rank * n_out if weight.dim() == 4 and weight.shape[0] > 1 else 0
+    block_s, block_n = 32, 32
+    grid = (batch * groups, triton.cdiv(seq_len, block_s), triton.cdiv(n_out, block_n))
+    _dequantize_matmul_kernel[grid](
+        quantized.codes.contiguous(), quantized.scales.contiguous(), quantized.zeros.contiguous(),
+        weight.contiguous(), out,
+        groups, seq_len, rank, n_out, num_bytes, quantized.scales.shape[-1], quantized.group_size, w_batch_stride,
+        BITS=quantized.bits, BLOCK_S=block_s, BLOCK_R=32, BLOCK_N=block_n, IEEE=weight.dtype == torch.float32,
+    )  # fmt: skip
+    return out
