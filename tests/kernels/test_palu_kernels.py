@@ -9,6 +9,7 @@ import torch
 # Without a GPU the Triton kernels run on CPU through the interpreter; it must be set before triton is imported
 # (hf_accel imports triton only when a triton backend is requested).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_INTERPRETER_TOO_LATE = DEVICE == "cpu" and "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -20,7 +21,11 @@ from hf_accel.kernels.hadamard import apply_hadamard, fold_hadamard_into_factors
 from hf_accel.kernels.quant import dequantize_per_token, quantize_per_token
 
 
-require_triton = pytest.mark.skipif(not is_triton_available(), reason="needs the optional `triton` package")
+require_triton = pytest.mark.skipif(
+    not is_triton_available() or _INTERPRETER_TOO_LATE,
+    reason="needs the optional `triton` package, and on CPU TRITON_INTERPRET=1 set before triton is first imported "
+    "(run `TRITON_INTERPRET=1 pytest ...`)",
+)
 
 
 def _inv_freq(head_dim, theta=10000.0):
