@@ -64,7 +64,7 @@ def _time_ms(fn, warmup: int, iters: int) -> float:
 
 def _make_inputs(config: PaluBenchConfig, seq_len: int, device) -> dict:
     gen = torch.Generator(device).manual_seed(0)
-    half = dict(dtype=torch.float16, device=device)
+    half = {"dtype": torch.float16, "device": device}
     batch, kv, d, groups = config.batch_size, config.num_key_value_heads, config.head_dim, config.groups
     r_k, r_v = config.rank(config.key_keep), config.rank(config.value_keep)
 
@@ -182,12 +182,12 @@ def format_report(report: dict) -> str:
     """A human table of [`run_palu_attention_benchmark`]'s result."""
     if report["gpu"] is None:
         return f"No GPU: {report['error']}. The Palu kernel benchmark needs a CUDA GPU; nothing was measured."
-    lines = [
-        f"GPU: {report['gpu']}  ranks: {report['ranks']}  fused-vs-reference max rel. error: "
-        f"{report['max_rel_error']:.2e}",
+    header = (
         f"{'seq_len':>8} {'sdpa_full':>10} {'sdpa_rebuilt':>12} {'palu_fused':>11} {'x_full':>7} {'x_rebuilt':>9} "
-        f"{'scores_full':>11} {'scores_fused':>12} {'x_scores':>8}",
-    ]
+        f"{'scores_full':>11} {'scores_fused':>12} {'x_scores':>8}"
+    )
+    error = f"{report['max_rel_error']:.2e}"
+    lines = [f"GPU: {report['gpu']}  ranks: {report['ranks']}  fused-vs-reference max rel. error: {error}", header]
     for row in report["results"]:
         lines.append(
             f"{row['seq_len']:>8} {row['sdpa_full_ms']:>10.4f} {row['sdpa_reconstructed_ms']:>12.4f} "
