@@ -34,7 +34,7 @@ def _triton_loader(name: str):
     return load
 
 
-for _name in ("rope_key_scores", "dequantize_matmul"):
+for _name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
     register_kernel(_name, "eager", _eager_loader(_name))
     register_kernel(_name, "triton", _triton_loader(_name))
 

@@ -7,6 +7,8 @@ One decode step (`q_len = 1`) of one attention layer, timed with CUDA events (me
   then the same SDPA (Palu without its kernel);
 - `palu_fused`: the Triton `rope_key_scores` kernel, softmax, then `p · H^v` per group; the value reconstruction is
   folded into `o_proj` offline (spec §2.3), so no value tensor is rebuilt;
+- `palu_fused_v4`: the same with 4-bit packed value latents read by the Triton `dequantize_attend` kernel (the
+  paper's "Palu-4bit" RoPE setting quantizes only V);
 - `scores_full` / `scores_fused`: the score step alone, `q·Kᵀ` on the full cache against the fused kernel (spec Fig. 6).
 """
 
@@ -14,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .quant import quantize_per_token
 
 
 @dataclass
@@ -99,20 +103,23 @@ def _rope(keys, positions, inv_freq):
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
-def _palu_fused(inputs, config: PaluBenchConfig, scores_kernel):
+def _palu_fused(inputs, config: PaluBenchConfig, scores_kernel, attend_kernel=None):
     # scores → softmax → p · H^v per latent group; all query heads of a group read the same latent values
     scores = scores_kernel(
         inputs["query"], inputs["latent_keys"], inputs["up_k"], inputs["positions"], inputs["inv_freq"],
         scaling=config.head_dim**-0.5,
     )  # fmt: skip
     probs = scores.softmax(-1).to(inputs["latent_values"].dtype)  # [B, H, 1, S]
+    if attend_kernel is not None:
+        return attend_kernel(probs, inputs["quantized_values"])  # [B, H, 1, r_v]
     batch, groups = probs.shape[0], config.groups
     probs = probs.view(batch, groups, -1, probs.shape[-1])  # [B, G, heads_per_group, S]
     return probs @ inputs["latent_values"]  # [B, G, heads_per_group, r_v]
 
 
-def _measure_length(config: PaluBenchConfig, seq_len: int, scores_kernel, device) -> dict:
+def _measure_length(config: PaluBenchConfig, seq_len: int, scores_kernel, device, attend_kernel=None) -> dict:
     x = _make_inputs(config, seq_len, device)
+    x["quantized_values"] = quantize_per_token(x["latent_values"], bits=4)
     d, num_rep = config.head_dim, config.num_heads // config.num_key_value_heads
 
     def sdpa_full():
@@ -134,11 +141,13 @@ def _measure_length(config: PaluBenchConfig, seq_len: int, scores_kernel, device
         "sdpa_full_ms": sdpa_full,
         "sdpa_reconstructed_ms": sdpa_reconstructed,
         "palu_fused_ms": lambda: _palu_fused(x, config, scores_kernel),
+        "palu_fused_v4_ms": lambda: _palu_fused(x, config, scores_kernel, attend_kernel),
         "scores_full_ms": scores_full,
         "scores_fused_ms": scores_fused,
     }
     timings = {name: _time_ms(fn, config.warmup, config.iters) for name, fn in runs.items()}
     timings["speedup_vs_full"] = timings["sdpa_full_ms"] / timings["palu_fused_ms"]
+    timings["speedup_v4_vs_full"] = timings["sdpa_full_ms"] / timings["palu_fused_v4_ms"]
     timings["speedup_vs_reconstructed"] = timings["sdpa_reconstructed_ms"] / timings["palu_fused_ms"]
     timings["scores_speedup"] = timings["scores_full_ms"] / timings["scores_fused_ms"]
     return {"seq_len": seq_len, **timings}
@@ -170,11 +179,12 @@ def run_palu_attention_benchmark(config: PaluBenchConfig) -> dict:
     from .registry import get_kernel
 
     scores_kernel = get_kernel("rope_key_scores", "triton")
+    attend_kernel = get_kernel("dequantize_attend", "triton")
     device = torch.device("cuda")
     report = {"gpu": torch.cuda.get_device_name(device), "config": asdict(config)}
     report["ranks"] = {"key": config.rank(config.key_keep), "value": config.rank(config.value_keep)}
     report["max_rel_error"] = _check_fused_matches_reference(config, scores_kernel, device)
-    report["results"] = [_measure_length(config, n, scores_kernel, device) for n in config.seq_lens]
+    report["results"] = [_measure_length(config, n, scores_kernel, device, attend_kernel) for n in config.seq_lens]
     return report
 
 
@@ -184,6 +194,7 @@ def format_report(report: dict) -> str:
         return f"No GPU: {report['error']}. The Palu kernel benchmark needs a CUDA GPU; nothing was measured."
     header = (
         f"{'seq_len':>8} {'sdpa_full':>10} {'sdpa_rebuilt':>12} {'palu_fused':>11} {'x_full':>7} {'x_rebuilt':>9} "
+        f"{'palu_v4':>9} {'x_v4':>6} "
         f"{'scores_full':>11} {'scores_fused':>12} {'x_scores':>8}"
     )
     error = f"{report['max_rel_error']:.2e}"
@@ -192,6 +203,7 @@ def format_report(report: dict) -> str:
         lines.append(
             f"{row['seq_len']:>8} {row['sdpa_full_ms']:>10.4f} {row['sdpa_reconstructed_ms']:>12.4f} "
             f"{row['palu_fused_ms']:>11.4f} {row['speedup_vs_full']:>7.2f} {row['speedup_vs_reconstructed']:>9.2f} "
+            f"{row['palu_fused_v4_ms']:>9.4f} {row['speedup_v4_vs_full']:>6.2f} "
             f"{row['scores_full_ms']:>11.4f} {row['scores_fused_ms']:>12.4f} {row['scores_speedup']:>8.2f}"
         )
     lines.append("times in ms (median); x_* = speedup of the Palu path")

@@ -110,3 +110,41 @@ def _check_dequantize_matmul_shapes(quantized: QuantizedLatents, weight: torch.T
             f"`weight` must be [groups={groups}, r={quantized.dim}, N] or [batch={batch}, groups, r, N], "
             f"got {tuple(weight.shape)}."
         )
+
+
+def dequantize_attend(probs: torch.Tensor, quantized: QuantizedLatents) -> torch.Tensor:
+    """
+    Attention-weighted sum of packed low-bit value latents: `probs · dequantize(H^v)` per group (spec 002 §3.2).
+
+    This is Palu's value path: the value reconstruction `B^v` is folded into `o_proj` offline, so attention only
+    needs `p · Ĥ^v`, and each latent row is read once for all the query heads of its group. Query head `h` reads
+    group `h // (num_heads / groups)`. Only the first `probs.shape[-1]` cached tokens are read, so a caller with a
+    full-precision window adds `probs[..., S':] @ window` itself.
+
+    Args:
+        probs (`torch.Tensor` of shape `[batch, num_heads, q_len, S']`): attention probabilities, `S' ≤ seq_len`.
+        quantized ([`QuantizedLatents`]): value latents of shape `[batch, groups, seq_len, r]`.
+
+    Returns:
+        `torch.Tensor` of shape `[batch, num_heads, q_len, r]`, float32.
+    """
+    _check_dequantize_attend_shapes(probs, quantized)
+    batch, num_heads, q_len, used = probs.shape
+    groups = quantized.codes.shape[1]
+    values = dequantize_per_token(quantized, torch.float32)[:, :, :used]  # [B, G, S', r]
+    grouped = probs.float().reshape(batch, groups, num_heads // groups * q_len, used)  # [B, G, heads/G · q_len, S']
+    return (grouped @ values).view(batch, num_heads, q_len, quantized.dim)
+
+
+def _check_dequantize_attend_shapes(probs: torch.Tensor, quantized: QuantizedLatents) -> None:
+    if quantized.codes.dim() != 4 or probs.dim() != 4:
+        raise ValueError(
+            f"Expected probs [batch, num_heads, q_len, S'] and latents [batch, groups, seq_len, ...], got "
+            f"{tuple(probs.shape)} and {tuple(quantized.codes.shape)}."
+        )
+    batch, groups, seq_len = quantized.codes.shape[:3]
+    if probs.shape[0] != batch or probs.shape[1] % groups != 0 or probs.shape[-1] > seq_len:
+        raise ValueError(
+            f"`probs` {tuple(probs.shape)} must have batch {batch}, a multiple of {groups} heads and at most "
+            f"{seq_len} keys."
+        )

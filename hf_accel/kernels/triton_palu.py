@@ -17,15 +17,17 @@ import triton
 import triton.language as tl
 
 from .quant import QuantizedLatents
-from .reference import _check_dequantize_matmul_shapes, _check_rope_shapes
+from .reference import _check_dequantize_attend_shapes, _check_dequantize_matmul_shapes, _check_rope_shapes
 
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     # float32 inputs: exact IEEE products (TF32 would cost ~1e-3 relative error); half inputs: tensor cores
     if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit
@@ -131,6 +133,20 @@ def rope_key_scores(
 
 
 @triton.jit
+def _dequantize_tile(codes_ptr, scales_ptr, zeros_ptr, token, rr, mask, num_bytes, num_qgroups, group_size, BITS):
+    # code c of a token sits at bits [c·BITS, (c+1)·BITS) of its little-endian stream, possibly across two bytes
+    byte, shift = (rr * BITS) // 8, (rr * BITS) % 8
+    byte_ptrs = codes_ptr + token[:, None] * num_bytes + byte[None, :]
+    low = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
+    high = tl.load(byte_ptrs + 1, mask=mask & (byte + 1 < num_bytes)[None, :], other=0).to(tl.int32)
+    codes = ((low | (high << 8)) >> shift[None, :]) & ((1 << BITS) - 1)
+    meta = token[:, None] * num_qgroups + (rr // group_size)[None, :]
+    scales = tl.load(scales_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+    zeros = tl.load(zeros_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+    return codes.to(tl.float32) * scales + zeros  # X̂ = q·s + X_min
+
+
+@triton.jit
 def _dequantize_matmul_kernel(
     codes_ptr, scales_ptr, zeros_ptr, w_ptr, out_ptr,
     groups, seq_len, rank, n_out, num_bytes, num_qgroups, group_size, w_batch_stride,
@@ -148,17 +164,12 @@ def _dequantize_matmul_kernel(
     for r0 in range(0, rank, BLOCK_R):
         rr = r0 + offs_r
         mask = mask_s[:, None] & (rr < rank)[None, :]
-        # code c sits at bits [c·BITS, (c+1)·BITS) of the token's little-endian stream, possibly across two bytes
-        byte, shift = (rr * BITS) // 8, (rr * BITS) % 8
-        byte_ptrs = codes_ptr + token[:, None] * num_bytes + byte[None, :]
-        low = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
-        high = tl.load(byte_ptrs + 1, mask=mask & (byte + 1 < num_bytes)[None, :], other=0).to(tl.int32)
-        codes = ((low | (high << 8)) >> shift[None, :]) & ((1 << BITS) - 1)
-        meta = token[:, None] * num_qgroups + (rr // group_size)[None, :]
-        scales = tl.load(scales_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-        zeros = tl.load(zeros_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_base + rr[:, None] * n_out + offs_n[None, :], mask=(rr < rank)[:, None] & mask_n[None, :])
-        x = codes.to(tl.float32) * scales + zeros  # X̂ = q·s + X_min, never written to memory
+        x = _dequantize_tile(
+            codes_ptr, scales_ptr, zeros_ptr, token, rr, mask, num_bytes, num_qgroups, group_size, BITS
+        )  # X̂ tile [BLOCK_S, BLOCK_R], float32, never written to memory
+        w = tl.load(
+            w_base + rr[:, None] * n_out + offs_n[None, :], mask=(rr < rank)[:, None] & mask_n[None, :], other=0.0
+        )
         acc = _dot(x.to(w.dtype), w, acc, IEEE)
     out_ptrs = out_ptr + token[:, None] * n_out + offs_n[None, :]
     tl.store(out_ptrs, acc, mask=mask_s[:, None] & mask_n[None, :])
@@ -182,3 +193,68 @@ def dequantize_matmul(quantized: QuantizedLatents, weight: torch.Tensor) -> torc
         BITS=quantized.bits, BLOCK_S=block_s, BLOCK_R=32, BLOCK_N=block_n, IEEE=weight.dtype == torch.float32,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _dequantize_attend_kernel(
+    probs_ptr, codes_ptr, scales_ptr, zeros_ptr, out_ptr,
+    groups, num_heads, q_len, used_len, seq_len, rank, num_bytes, num_qgroups, group_size, split_len, split_stride,
+    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_bg = tl.program_id(0).to(tl.int64)  # b · groups + g
+    b, g = pid_bg // groups, pid_bg % groups
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    split = tl.program_id(2)
+    start = split * split_len  # this program's slice of the keys (split-K over the sequence)
+    end = tl.minimum(start + split_len, used_len)
+    heads_per_group = num_heads // groups
+    num_rows = heads_per_group * q_len
+    out_base = out_ptr + split.to(tl.int64) * split_stride  # partial sums of this split: [B, H, q_len, r]
+    for m0 in range(0, num_rows, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = m < num_rows
+        row = (b * num_heads + g * heads_per_group + m // q_len) * q_len + m % q_len  # flat (b, head, t)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for s0 in range(start, end, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            mask_s = offs_s < end
+            token = pid_bg * seq_len + offs_s
+            values = _dequantize_tile(
+                codes_ptr, scales_ptr, zeros_ptr, token, offs_r, mask_s[:, None] & mask_r[None, :],
+                num_bytes, num_qgroups, group_size, BITS,
+            )  # fmt: skip
+            p = tl.load(
+                probs_ptr + row[:, None] * used_len + offs_s[None, :],
+                mask=mask_m[:, None] & mask_s[None, :],
+                other=0.0,
+            )
+            acc = _dot(p, values.to(p.dtype), acc, IEEE)
+        out_ptrs = out_base + row[:, None] * rank + offs_r[None, :]
+        tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
+
+
+def dequantize_attend(probs: torch.Tensor, quantized: QuantizedLatents) -> torch.Tensor:
+    """Triton version of [`~hf_accel.kernels.reference.dequantize_attend`]; same arguments and result."""
+    _check_dequantize_attend_shapes(probs, quantized)
+    batch, num_heads, q_len, used_len = probs.shape
+    groups, seq_len, num_bytes = quantized.codes.shape[1:]
+    rank = quantized.dim
+    block_s, block_r = 32, 32
+    r_tiles, s_tiles = triton.cdiv(rank, block_r), max(1, triton.cdiv(used_len, block_s))
+    # split the keys so that short batches still fill the GPU; partial sums are added in a fixed order (deterministic)
+    num_splits = max(1, min(s_tiles, triton.cdiv(512, batch * groups * r_tiles)))
+    split_len = triton.cdiv(s_tiles, num_splits) * block_s
+    num_splits = max(1, triton.cdiv(used_len, split_len))
+    partial = torch.zeros(num_splits, batch, num_heads, q_len, rank, dtype=torch.float32, device=probs.device)
+    if partial.numel() == 0 or used_len == 0:
+        return partial.sum(0)
+    grid = (batch * groups, r_tiles, num_splits)
+    _dequantize_attend_kernel[grid](
+        probs.contiguous(), quantized.codes.contiguous(), quantized.scales.contiguous(), quantized.zeros.contiguous(),
+        partial,
+        groups, num_heads, q_len, used_len, seq_len, rank, num_bytes, quantized.scales.shape[-1], quantized.group_size,
+        split_len, batch * num_heads * q_len * rank,
+        BITS=quantized.bits, BLOCK_M=16, BLOCK_S=block_s, BLOCK_R=block_r, IEEE=probs.dtype == torch.float32,
+    )  # fmt: skip
+    return partial.sum(0)

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from hf_accel.kernels import benchmark
-from hf_accel.kernels.reference import rope_key_scores
+from hf_accel.kernels.reference import dequantize_attend, rope_key_scores
 
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_palu_kernels.py"
@@ -29,8 +29,10 @@ def test_benchmarked_palu_path_equals_sdpa_on_reconstructed_states(monkeypatch):
         num_heads=8, num_key_value_heads=4, head_dim=16, group_size=2, warmup=0, iters=1
     )
     monkeypatch.setattr(benchmark, "_time_ms", lambda fn, warmup, iters: fn() is not None and 1.0)
-    row = benchmark._measure_length(config, 40, rope_key_scores, "cpu")
-    assert row["seq_len"] == 40 and row["speedup_vs_full"] == 1.0
+    row = benchmark._measure_length(config, 40, rope_key_scores, "cpu", dequantize_attend)
+    assert row["seq_len"] == 40 and row["speedup_vs_full"] == 1.0 and "palu_fused_v4_ms" in row
+    report = {"gpu": "test", "ranks": {}, "max_rel_error": 0.0, "results": [row]}
+    assert "palu_v4" in benchmark.format_report(report)
     x = {k: v.float() if v.is_floating_point() else v for k, v in benchmark._make_inputs(config, 40, "cpu").items()}
     latent_out = benchmark._palu_fused(x, config, rope_key_scores)  # [B, G, s·n_rep, r_v]
     num_rep = config.num_heads // config.num_key_value_heads

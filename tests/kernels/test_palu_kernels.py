@@ -100,7 +100,9 @@ def test_dequantize_matmul_reference(weight_batch):
 
 
 def test_registry():
-    assert list_kernels() == {"rope_key_scores": ["eager", "triton"], "dequantize_matmul": ["eager", "triton"]}
+    assert list_kernels() == {
+        name: ["eager", "triton"] for name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend")
+    }
     with pytest.raises(ValueError, match="Unknown kernel"):
         get_kernel("flash")
     with pytest.raises(ValueError, match="no 'cuda' backend"):
@@ -162,3 +164,26 @@ def test_triton_dequantize_matmul_matches_reference(bits, group_size, rank, seq_
     expected = get_kernel("dequantize_matmul", "eager")(quantized, weight)
     actual = get_kernel("dequantize_matmul", "triton")(quantized.apply(lambda t: t.to(DEVICE)), weight.to(DEVICE))
     torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_dequantize_attend_reference():
+    quantized = _quantized(groups=2, seq_len=9, rank=24)
+    probs = torch.rand(2, 6, 2, 7).softmax(-1)  # 3 heads per group, 2 queries, first 7 of 9 tokens
+    values = dequantize_per_token(quantized)[:, :, :7]
+    expected = torch.stack([probs[:, h] @ values[:, h // 3] for h in range(6)], dim=1)
+    torch.testing.assert_close(get_kernel("dequantize_attend")(probs, quantized), expected)
+    with pytest.raises(ValueError, match="multiple of 2 heads"):
+        get_kernel("dequantize_attend")(probs[:, :5], quantized)
+
+
+@require_triton
+@pytest.mark.parametrize(
+    "bits,group_size,heads,q_len,used,seq_len,rank",
+    [(4, None, 4, 1, 70, 70, 40), (3, 8, 6, 3, 20, 25, 24), (2, None, 2, 1, 0, 4, 16), (3, None, 2, 9, 5, 5, 32)],
+)
+def test_triton_dequantize_attend_matches_reference(bits, group_size, heads, q_len, used, seq_len, rank):
+    quantized = _quantized(groups=2, seq_len=seq_len, rank=rank, bits=bits, group_size=group_size, seed=used)
+    probs = torch.rand(2, heads, q_len, used).softmax(-1) if used else torch.zeros(2, heads, q_len, 0)
+    expected = get_kernel("dequantize_attend", "eager")(probs, quantized)
+    actual = get_kernel("dequantize_attend", "triton")(probs.to(DEVICE), quantized.apply(lambda t: t.to(DEVICE)))
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-5, rtol=1e-4)
