@@ -237,6 +237,7 @@ class PaluQuantizedCache(Cache):
     >>> keys, values = cache.update(torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 48), layer_idx=0)
     >>> cache.get_seq_length(), cache.get_cache_bytes()
     (5, 380)
+
     ```
     """
 

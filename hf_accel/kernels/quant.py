@@ -187,6 +187,7 @@ def quantize_per_token(
     >>> q = quantize_per_token(torch.randn(2, 5, 64), bits=3)
     >>> q.codes.shape, q.scales.shape
     (torch.Size([2, 5, 24]), torch.Size([2, 5, 1]))
+
     ```
     """
     validate_bits(bits)

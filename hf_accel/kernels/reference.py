@@ -9,24 +9,30 @@ import torch
 from .quant import QuantizedLatents, dequantize_per_token
 
 
+def latent_shape(latents: "torch.Tensor | QuantizedLatents") -> tuple[int, ...]:
+    """Shape `[..., r]` of plain or packed latents (for packed ones, the shape once dequantized)."""
+    if isinstance(latents, QuantizedLatents):
+        return (*latents.codes.shape[:-1], latents.dim)
+    return tuple(latents.shape)
+
+
 def _check_rope_shapes(query_states, latent_keys, up_proj, key_positions, inv_freq) -> tuple[int, int]:
     batch, num_heads, _, head_dim = query_states.shape
     groups, rank, width = up_proj.shape
-    if latent_keys.dim() != 4 or latent_keys.shape[0] != batch or latent_keys.shape[1] != groups:
+    shape = latent_shape(latent_keys)
+    if len(shape) != 4 or shape[0] != batch or shape[1] != groups:
+        raise ValueError(f"`latent_keys` must be [batch={batch}, groups={groups}, seq_len, r], got {shape}.")
+    if shape[-1] != rank or width % head_dim != 0 or head_dim % 2 != 0:
         raise ValueError(
-            f"`latent_keys` must be [batch={batch}, groups={groups}, seq_len, r], got {tuple(latent_keys.shape)}."
-        )
-    if latent_keys.shape[-1] != rank or width % head_dim != 0 or head_dim % 2 != 0:
-        raise ValueError(
-            f"`up_proj` must be [groups, r={latent_keys.shape[-1]}, kv_heads_per_group * head_dim={head_dim}] with an "
+            f"`up_proj` must be [groups, r={shape[-1]}, kv_heads_per_group * head_dim={head_dim}] with an "
             f"even head_dim, got {tuple(up_proj.shape)}."
         )
     num_key_value_heads = groups * (width // head_dim)
     if num_heads % num_key_value_heads != 0:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_key_value_heads} key/value heads.")
-    if tuple(key_positions.shape) != (batch, latent_keys.shape[2]) or inv_freq.numel() != head_dim // 2:
+    if tuple(key_positions.shape) != (batch, shape[2]) or inv_freq.numel() != head_dim // 2:
         raise ValueError(
-            f"`key_positions` must be [batch, seq_len] = [{batch}, {latent_keys.shape[2]}] and `inv_freq` "
+            f"`key_positions` must be [batch, seq_len] = [{batch}, {shape[2]}] and `inv_freq` "
             f"[head_dim // 2 = {head_dim // 2}], got {tuple(key_positions.shape)} and {tuple(inv_freq.shape)}."
         )
     return num_key_value_heads, num_heads // num_key_value_heads
@@ -34,7 +40,7 @@ def _check_rope_shapes(query_states, latent_keys, up_proj, key_positions, inv_fr
 
 def rope_key_scores(
     query_states: torch.Tensor,
-    latent_keys: torch.Tensor,
+    latent_keys: "torch.Tensor | QuantizedLatents",
     up_proj: torch.Tensor,
     key_positions: torch.LongTensor,
     inv_freq: torch.Tensor,
@@ -52,7 +58,8 @@ def rope_key_scores(
 
     Args:
         query_states (`torch.Tensor` of shape `[batch, num_heads, q_len, head_dim]`): RoPE'd queries.
-        latent_keys (`torch.Tensor` of shape `[batch, groups, seq_len, r]`): cached pre-RoPE key latents.
+        latent_keys (`torch.Tensor` or [`QuantizedLatents`] of shape `[batch, groups, seq_len, r]`): cached pre-RoPE
+            key latents, plain or packed low-bit (then dequantized on the fly, spec §3.2).
         up_proj (`torch.Tensor` of shape `[groups, r, kv_heads_per_group * head_dim]`): key reconstruction `B^k`.
         key_positions (`torch.LongTensor` of shape `[batch, seq_len]`): absolute position of every cached token.
         inv_freq (`torch.Tensor` of shape `[head_dim // 2]`): rotary inverse frequencies.
@@ -63,6 +70,8 @@ def rope_key_scores(
         `torch.Tensor` of shape `[batch, num_heads, q_len, seq_len]`, float32, unmasked and before softmax.
     """
     num_key_value_heads, num_rep = _check_rope_shapes(query_states, latent_keys, up_proj, key_positions, inv_freq)
+    if isinstance(latent_keys, QuantizedLatents):
+        latent_keys = dequantize_per_token(latent_keys, torch.float32)
     batch, groups, seq_len, _ = latent_keys.shape
     head_dim = query_states.shape[-1]
     keys = latent_keys.float() @ up_proj.float()  # [B, G, S, s·d]

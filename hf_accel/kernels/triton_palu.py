@@ -17,7 +17,12 @@ import triton
 import triton.language as tl
 
 from .quant import QuantizedLatents
-from .reference import _check_dequantize_attend_shapes, _check_dequantize_matmul_shapes, _check_rope_shapes
+from .reference import (
+    _check_dequantize_attend_shapes,
+    _check_dequantize_matmul_shapes,
+    _check_rope_shapes,
+    latent_shape,
+)
 
 
 @triton.jit
@@ -31,9 +36,25 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _dequantize_tile(codes_ptr, scales_ptr, zeros_ptr, token, rr, mask, num_bytes, num_qgroups, group_size, BITS):
+    # code c of a token sits at bits [c·BITS, (c+1)·BITS) of its little-endian stream, possibly across two bytes
+    byte, shift = (rr * BITS) // 8, (rr * BITS) % 8
+    byte_ptrs = codes_ptr + token[:, None] * num_bytes + byte[None, :]
+    low = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
+    high = tl.load(byte_ptrs + 1, mask=mask & (byte + 1 < num_bytes)[None, :], other=0).to(tl.int32)
+    codes = ((low | (high << 8)) >> shift[None, :]) & ((1 << BITS) - 1)
+    meta = token[:, None] * num_qgroups + (rr // group_size)[None, :]
+    scales = tl.load(scales_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+    zeros = tl.load(zeros_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+    return codes.to(tl.float32) * scales + zeros  # X̂ = q·s + X_min
+
+
+@triton.jit
 def _rebuild_key_tile(
-    latent_base, up_base, offs_s, mask_s, offs_h, mask_h, rank, up_row,
-    HALF: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, IEEE: tl.constexpr,
+    latent_ptr, codes_ptr, scales_ptr, zeros_ptr, token, up_base, mask_s, offs_h, mask_h, rank, up_row,
+    num_bytes, num_qgroups, group_size,
+    HALF: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BITS: tl.constexpr, QUANTIZED: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     # K_tile = H_tile · B_head, as its two rotate_half halves [BLOCK_S, BLOCK_HALF] each, accumulated in float32
     acc1 = tl.zeros((BLOCK_S, BLOCK_HALF), dtype=tl.float32)
@@ -42,9 +63,13 @@ def _rebuild_key_tile(
     for r0 in range(0, rank, BLOCK_R):
         rr = r0 + offs_r
         mask_r = rr < rank
-        x = tl.load(
-            latent_base + offs_s[:, None] * rank + rr[None, :], mask=mask_s[:, None] & mask_r[None, :], other=0.0
-        )
+        mask = mask_s[:, None] & mask_r[None, :]
+        if QUANTIZED:  # packed low-bit latents, dequantized in registers
+            x = _dequantize_tile(
+                codes_ptr, scales_ptr, zeros_ptr, token, rr, mask, num_bytes, num_qgroups, group_size, BITS
+            )
+        else:
+            x = tl.load(latent_ptr + token[:, None] * rank + rr[None, :], mask=mask, other=0.0)
         w_ptrs = up_base + rr[:, None] * up_row + offs_h[None, :]
         w_mask = mask_r[:, None] & mask_h[None, :]
         w1 = tl.load(w_ptrs, mask=w_mask, other=0.0)
@@ -57,10 +82,12 @@ def _rebuild_key_tile(
 
 @triton.jit
 def _rope_key_scores_kernel(
-    q_ptr, latent_ptr, up_ptr, pos_ptr, inv_freq_ptr, out_ptr,
+    q_ptr, latent_ptr, codes_ptr, scales_ptr, zeros_ptr, up_ptr, pos_ptr, inv_freq_ptr, out_ptr,
     num_heads, num_kv_heads, q_len, seq_len, rank, kv_per_group, groups, attention_scaling, scaling,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, IEEE: tl.constexpr,
+    num_bytes, num_qgroups, group_size,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BITS: tl.constexpr, QUANTIZED: tl.constexpr,
+    IEEE_K: tl.constexpr, IEEE_Q: tl.constexpr,
 ):  # fmt: skip
     pid_bk = tl.program_id(0).to(tl.int64)  # b · num_kv_heads + j
     b, j = pid_bk // num_kv_heads, pid_bk % num_kv_heads
@@ -70,11 +97,12 @@ def _rope_key_scores_kernel(
     offs_h = tl.arange(0, BLOCK_HALF)
     mask_h = offs_h < HALF
     up_row = kv_per_group * HEAD_DIM
-    latent_base = latent_ptr + (b * groups + g) * seq_len * rank
+    token = (b * groups + g) * seq_len + offs_s  # flat (b, g, s) latent row
     up_base = up_ptr + g * rank * up_row + i * HEAD_DIM
     acc1, acc2 = _rebuild_key_tile(
-        latent_base, up_base, offs_s, mask_s, offs_h, mask_h, rank, up_row, HALF, BLOCK_S, BLOCK_R, BLOCK_HALF, IEEE
-    )
+        latent_ptr, codes_ptr, scales_ptr, zeros_ptr, token, up_base, mask_s, offs_h, mask_h, rank, up_row,
+        num_bytes, num_qgroups, group_size, HALF, BLOCK_S, BLOCK_R, BLOCK_HALF, BITS, QUANTIZED, IEEE_K,
+    )  # fmt: skip
     # reconstruct-then-RoPE at each token's absolute position (spec §2.3 decode step 2), rotate_half layout
     pos = tl.load(pos_ptr + b * seq_len + offs_s, mask=mask_s, other=0).to(tl.float32)
     inv_freq = tl.load(inv_freq_ptr + offs_h, mask=mask_h, other=0.0)
@@ -95,15 +123,15 @@ def _rope_key_scores_kernel(
         q1 = tl.load(q_ptrs, mask=q_mask, other=0.0)
         q2 = tl.load(q_ptrs + HALF, mask=q_mask, other=0.0)
         scores = tl.zeros((BLOCK_Q, BLOCK_S), dtype=tl.float32)
-        scores = _dot(q1, tl.trans(k1.to(q1.dtype)), scores, IEEE)
-        scores = _dot(q2, tl.trans(k2.to(q1.dtype)), scores, IEEE)
+        scores = _dot(q1, tl.trans(k1.to(q1.dtype)), scores, IEEE_Q)
+        scores = _dot(q2, tl.trans(k2.to(q1.dtype)), scores, IEEE_Q)
         out_ptrs = out_ptr + row[:, None] * seq_len + offs_s[None, :]
         tl.store(out_ptrs, scores * scaling, mask=mask_m[:, None] & mask_s[None, :])
 
 
 def rope_key_scores(
     query_states: torch.Tensor,
-    latent_keys: torch.Tensor,
+    latent_keys: "torch.Tensor | QuantizedLatents",
     up_proj: torch.Tensor,
     key_positions: torch.LongTensor,
     inv_freq: torch.Tensor,
@@ -114,36 +142,32 @@ def rope_key_scores(
     num_kv_heads, _ = _check_rope_shapes(query_states, latent_keys, up_proj, key_positions, inv_freq)
     batch, num_heads, q_len, head_dim = query_states.shape
     groups, rank, width = up_proj.shape
-    seq_len = latent_keys.shape[2]
+    seq_len = latent_shape(latent_keys)[2]
     out = torch.empty(batch, num_heads, q_len, seq_len, dtype=torch.float32, device=query_states.device)
     if out.numel() == 0:
         return out
-    half = head_dim // 2
-    block_s = 64
+    quantized = isinstance(latent_keys, QuantizedLatents)
+    if quantized:
+        latent, codes, scales, zeros = (
+            up_proj,
+            *(t.contiguous() for t in (latent_keys.codes, latent_keys.scales, latent_keys.zeros)),
+        )
+        packing = (codes.shape[-1], scales.shape[-1], latent_keys.group_size, latent_keys.bits)
+    else:  # the packed-code pointers are unused: pass any tensor
+        latent = codes = scales = zeros = latent_keys.contiguous()
+        packing = (1, 1, 1, 8)
+    half, block_s = head_dim // 2, 64
     grid = (batch * num_kv_heads, triton.cdiv(seq_len, block_s))
     _rope_key_scores_kernel[grid](
-        query_states.contiguous(), latent_keys.contiguous(), up_proj.contiguous(), key_positions.contiguous(),
+        query_states.contiguous(), latent, codes, scales, zeros, up_proj.contiguous(), key_positions.contiguous(),
         inv_freq.float().contiguous(), out,
         num_heads, num_kv_heads, q_len, seq_len, rank, width // head_dim, groups,
-        float(attention_scaling), float(scaling),
-        HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
-        BLOCK_S=block_s, BLOCK_R=32, BLOCK_Q=16, IEEE=query_states.dtype == torch.float32,
+        float(attention_scaling), float(scaling), *packing[:3],
+        HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_S=block_s,
+        BLOCK_R=32, BLOCK_Q=16, BITS=packing[3], QUANTIZED=quantized,
+        IEEE_K=up_proj.dtype == torch.float32, IEEE_Q=query_states.dtype == torch.float32,
     )  # fmt: skip
     return out
-
-
-@triton.jit
-def _dequantize_tile(codes_ptr, scales_ptr, zeros_ptr, token, rr, mask, num_bytes, num_qgroups, group_size, BITS):
-    # code c of a token sits at bits [c·BITS, (c+1)·BITS) of its little-endian stream, possibly across two bytes
-    byte, shift = (rr * BITS) // 8, (rr * BITS) % 8
-    byte_ptrs = codes_ptr + token[:, None] * num_bytes + byte[None, :]
-    low = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
-    high = tl.load(byte_ptrs + 1, mask=mask & (byte + 1 < num_bytes)[None, :], other=0).to(tl.int32)
-    codes = ((low | (high << 8)) >> shift[None, :]) & ((1 << BITS) - 1)
-    meta = token[:, None] * num_qgroups + (rr // group_size)[None, :]
-    scales = tl.load(scales_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-    zeros = tl.load(zeros_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-    return codes.to(tl.float32) * scales + zeros  # X̂ = q·s + X_min
 
 
 @triton.jit

@@ -62,6 +62,13 @@ def test_rope_reference_matches_transformers_rope(groups, kv_heads, heads):
     torch.testing.assert_close(scores, 0.5 * expected, atol=1e-4, rtol=1e-4)
 
 
+def test_rope_reference_accepts_packed_latents():
+    query, latent, up_proj, positions, inv_freq = _rope_inputs(groups=2, kv_heads=2, rank=16)
+    packed = quantize_per_token(latent, 3)
+    expected = get_kernel("rope_key_scores")(query, dequantize_per_token(packed), up_proj, positions, inv_freq)
+    torch.testing.assert_close(get_kernel("rope_key_scores")(query, packed, up_proj, positions, inv_freq), expected)
+
+
 def test_rope_reference_is_invariant_to_folded_hadamard():
     query, _, up_proj, positions, inv_freq = _rope_inputs(rank=24)
     down = torch.randn(16, 24)
@@ -140,6 +147,18 @@ def test_triton_rope_key_scores_matches_reference(case):
     actual = get_kernel("rope_key_scores", "triton")(
         *[t.to(DEVICE) for t in inputs], attention_scaling=1.1, scaling=0.3
     )
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@require_triton
+@pytest.mark.parametrize("bits,group_size", [(2, None), (3, 8)])
+def test_triton_rope_key_scores_on_packed_latents(bits, group_size):
+    query, latent, up_proj, positions, inv_freq = _rope_inputs(2, 6, 2, 2, 2, 70, 24, 16, seed=bits)
+    packed = quantize_per_token(latent, bits, group_size)
+    expected = get_kernel("rope_key_scores", "eager")(query, packed, up_proj, positions, inv_freq, scaling=0.25)
+    on_device = [t.to(DEVICE) for t in (query, up_proj, positions, inv_freq)]
+    packed = packed.apply(lambda t: t.to(DEVICE))
+    actual = get_kernel("rope_key_scores", "triton")(on_device[0], packed, *on_device[1:], scaling=0.25)
     torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
