@@ -2,7 +2,7 @@
 
 import importlib.util
 
-from .registry import get_kernel, list_kernels, register_kernel
+from .registry import get_kernel, list_kernels, register_kernel, resolve_auto_backend
 
 
 def is_triton_available() -> bool:
@@ -38,4 +38,4 @@ for _name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
     register_kernel(_name, "eager", _eager_loader(_name))
     register_kernel(_name, "triton", _triton_loader(_name))
 
-__all__ = ["get_kernel", "is_triton_available", "list_kernels", "register_kernel"]
+__all__ = ["get_kernel", "is_triton_available", "list_kernels", "register_kernel", "resolve_auto_backend"]

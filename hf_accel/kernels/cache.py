@@ -78,7 +78,8 @@ class PaluQuantizedLayer(DynamicLayer):
             key_states (`torch.Tensor` of shape `[batch, groups, new_tokens, r_k]`): new key latents.
             value_states (`torch.Tensor` of shape `[batch, groups, new_tokens, r_v]`): new value latents.
         """
-        if not self.is_initialized:
+        if not self.is_initialized or self.get_seq_length() == 0:
+            # (re)initialize from the real shapes: `Cache.early_initialization` may have used placeholder ones
             self.lazy_initialization(key_states, value_states)
         self.quantized_keys = cat_quantized([self.quantized_keys, self._quantize(key_states)], dim=-2)
         self.quantized_values = cat_quantized([self.quantized_values, self._quantize(value_states)], dim=-2)
@@ -118,6 +119,11 @@ class PaluQuantizedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         """Number of cached tokens."""
         return 0 if not self.is_initialized else self.quantized_keys.codes.shape[-2]
+
+    @property
+    def window_length(self) -> int:
+        """Number of trailing tokens currently served in full precision (`≤ residual_length`)."""
+        return 0 if not self.is_initialized else self.keys.shape[-2]
 
     def get_cache_bytes(self) -> int:
         """True stored bytes: packed codes, scales and zero-points of keys and values, plus the window."""

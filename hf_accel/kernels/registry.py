@@ -4,7 +4,10 @@ Backends are registered as loaders (zero-argument callables returning the functi
 such as triton are imported only when their backend is asked for (STYLE.md points 5 and 10).
 """
 
+import importlib.util
 from collections.abc import Callable
+
+import torch
 
 
 _KERNEL_LOADERS: dict[str, dict[str, Callable[[], Callable]]] = {}
@@ -36,14 +39,23 @@ def get_kernel(name: str, backend: str = "eager") -> Callable:
 
     Args:
         name (`str`): a registered kernel name.
-        backend (`str`, *optional*, defaults to `"eager"`): `"eager"` (plain PyTorch, runs anywhere) or `"triton"`.
+        backend (`str`, *optional*, defaults to `"eager"`): `"eager"` (plain PyTorch, runs anywhere), `"triton"`, or
+            `"auto"` (see [`resolve_auto_backend`]). Both backends compute the same result within float tolerance.
 
     Raises:
         `ValueError`: unknown kernel or backend. `ImportError`: the backend's package is missing.
     """
+    if backend == "auto":
+        backend = resolve_auto_backend()
     if name not in _KERNEL_LOADERS:
         raise ValueError(f"Unknown kernel {name!r}; registered kernels: {sorted(_KERNEL_LOADERS)}.")
     backends = _KERNEL_LOADERS[name]
     if backend not in backends:
         raise ValueError(f"Kernel {name!r} has no {backend!r} backend; choose one of {sorted(backends)}.")
     return backends[backend]()
+
+
+def resolve_auto_backend() -> str:
+    """`"triton"` when the `triton` package is installed and a CUDA device is visible, else `"eager"`."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    return "triton" if has_triton and torch.cuda.is_available() else "eager"

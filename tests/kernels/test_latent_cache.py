@@ -157,6 +157,23 @@ def test_true_bytes(bits, window):
     assert layer.get_cache_bytes() == B * G * (9 * per_token) + B * G * full
 
 
+def test_early_initialization_placeholder_shapes_are_replaced():
+    cache = PaluQuantizedCache(bits=3)
+    cache.layers.append(PaluQuantizedLayer(bits=3))
+    cache.early_initialization(batch_size=B, num_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
+    keys, values = cache.update(*_latents(3, 0), layer_idx=0)
+    assert keys.shape == (B, G, 3, RK) and values.shape == (B, G, 3, RV)
+
+
+def test_window_length():
+    layer = PaluQuantizedLayer(residual_length=4)
+    assert layer.window_length == 0
+    layer.update(*_latents(3, 0))
+    assert layer.window_length == 3
+    layer.update(*_latents(3, 1))
+    assert layer.window_length == 4
+
+
 def test_invalid_construction():
     with pytest.raises(ValueError, match="bits"):
         PaluQuantizedCache(bits=16)

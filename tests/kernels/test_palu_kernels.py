@@ -118,6 +118,12 @@ def test_registry():
         kernels.register_kernel("rope_key_scores", "eager", lambda: None)
 
 
+def test_auto_backend(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kernels.resolve_auto_backend() == "eager"
+    assert get_kernel("dequantize_matmul", "auto") is get_kernel("dequantize_matmul", "eager")
+
+
 def test_package_import_does_not_import_triton():
     code = "import sys, hf_accel.kernels, hf_accel.kernels.cache; assert 'triton' not in sys.modules"
     root = os.path.dirname(os.path.dirname(kernels.__file__))
