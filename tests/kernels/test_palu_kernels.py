@@ -126,8 +126,8 @@ def test_auto_backend(monkeypatch):
 
 def test_package_import_does_not_import_triton():
     code = "import sys, hf_accel.kernels, hf_accel.kernels.cache; assert 'triton' not in sys.modules"
-    root = os.path.dirname(os.path.dirname(kernels.__file__))
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(root))
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(kernels.__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root)
 
 
 def test_triton_backend_without_triton_raises_clear_import_error(monkeypatch):
@@ -212,3 +212,17 @@ def test_triton_dequantize_attend_matches_reference(bits, group_size, heads, q_l
     expected = get_kernel("dequantize_attend", "eager")(probs, quantized)
     actual = get_kernel("dequantize_attend", "triton")(probs.to(DEVICE), quantized.apply(lambda t: t.to(DEVICE)))
     torch.testing.assert_close(actual.cpu(), expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not is_triton_available(), reason="needs the optional `triton` package")
+def test_triton_kernels_compile_for_h100_without_a_gpu():
+    # the interpreter does not lower the kernels: compile them for sm_90 in a process without TRITON_INTERPRET
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(kernels.__file__)))
+    env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+    script = os.path.join(os.path.dirname(__file__), "compile_triton_kernels.py")
+    result = subprocess.run(
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("compiled ") == 4
