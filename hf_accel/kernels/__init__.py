@@ -1,4 +1,17 @@
-"""Kernels with plain-PyTorch references (the CPU path and test oracle) and optional Triton versions."""
+"""Kernels with plain-PyTorch references (the CPU path and test oracle) and optional Triton versions.
+
+Palu pieces (spec 002), for the converter and the Palu attention:
+
+- `hadamard`: `hadamard_matrix(r)`, `apply_hadamard(x)`, `fold_hadamard_into_factors(A, B)` (block-diagonal
+  Walsh–Hadamard for ranks that are not powers of two).
+- `quant`: `quantize_per_token(x, bits, group_size)` → `QuantizedLatents` (packed codes, scales, zeros),
+  `dequantize_per_token`, `compute_bytes_per_token`.
+- `cache`: `PaluQuantizedCache` / `PaluQuantizedLayer` (each token quantized once, optional full-precision window,
+  `get_cache_bytes`, `crop`, `select_positions`, batch ops).
+- kernels, by name through `get_kernel(name, backend)` with backend `"eager"`, `"triton"` or `"auto"`:
+  `rope_key_scores` (latent × B → RoPE → q·kᵀ, plain or packed latents), `dequantize_matmul` (packed latents × B),
+  `dequantize_attend` (probabilities × packed value latents).
+"""
 
 import importlib.util
 

@@ -83,6 +83,12 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     validate_bits(bits)
     lead, dim = codes.shape[:-1], codes.shape[-1]
+    if 8 % bits == 0 and dim % (8 // bits) == 0:
+        # byte-aligned widths (1, 2, 4, 8 bits): whole codes per byte, same stream layout, no bit expansion
+        per_byte = 8 // bits
+        shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.int32)
+        grouped = codes.to(torch.int32).reshape(*lead, dim // per_byte, per_byte)
+        return (grouped << shifts).sum(-1).to(torch.uint8)
     shifts = torch.arange(bits, device=codes.device)
     stream = ((codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(*lead, dim * bits)  # [..., dim·bits]
     num_bytes = math.ceil(dim * bits / 8)
@@ -105,6 +111,10 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """
     validate_bits(bits)
     lead = packed.shape[:-1]
+    if 8 % bits == 0 and dim % (8 // bits) == 0:
+        shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
+        codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2**bits - 1)
+        return codes.reshape(*lead, dim).to(torch.uint8)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
     stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(*lead, -1)[..., : dim * bits]
     weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)

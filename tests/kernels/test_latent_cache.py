@@ -174,6 +174,19 @@ def test_window_length():
     assert layer.window_length == 4
 
 
+@pytest.mark.parametrize("window", [0, 2])
+def test_batch_rows_equal_single_row_runs(window):
+    batched = PaluQuantizedLayer(bits=3, residual_length=window)
+    rows = [PaluQuantizedLayer(bits=3, residual_length=window) for _ in range(B)]
+    for step, tokens in enumerate([4, 1, 2]):
+        k, v = _latents(tokens, step)
+        keys, values = batched.update(k, v)
+        for row, layer in enumerate(rows):
+            row_keys, row_values = layer.update(k[row : row + 1], v[row : row + 1])
+            torch.testing.assert_close(keys[row : row + 1], row_keys, atol=0, rtol=0)
+            torch.testing.assert_close(values[row : row + 1], row_values, atol=0, rtol=0)
+
+
 def test_invalid_construction():
     with pytest.raises(ValueError, match="bits"):
         PaluQuantizedCache(bits=16)
