@@ -84,9 +84,16 @@ class PaluQuantizedLayer(DynamicLayer):
         self.quantized_keys = cat_quantized([self.quantized_keys, self._quantize(key_states)], dim=-2)
         self.quantized_values = cat_quantized([self.quantized_values, self._quantize(value_states)], dim=-2)
         if self.residual_length > 0:
-            window = self.residual_length
-            self.keys = torch.cat([self.keys, key_states.to(self.dtype)], dim=-2)[..., -window:, :]
-            self.values = torch.cat([self.values, value_states.to(self.dtype)], dim=-2)[..., -window:, :]
+            self.keys = self._slide_window(self.keys, key_states)
+            self.values = self._slide_window(self.values, value_states)
+
+    def _slide_window(self, window: torch.Tensor, new_states: torch.Tensor) -> torch.Tensor:
+        # [B, G, W, r] + [B, G, T, r] → the last `residual_length` tokens, in storage of their own (a view of the
+        # concatenation would keep a whole prefill alive, and `get_cache_bytes` would under-count it)
+        merged = torch.cat([window, new_states.to(self.dtype)], dim=-2)
+        if merged.shape[-2] <= self.residual_length:
+            return merged
+        return merged[..., -self.residual_length :, :].clone()
 
     def _read(self, quantized: QuantizedLatents, window: torch.Tensor) -> torch.Tensor:
         dequantized = quantized.dequantize(self.dtype)  # [B, G, S, r]
@@ -173,15 +180,18 @@ class PaluQuantizedLayer(DynamicLayer):
         if self.is_initialized:
             self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
 
-    def select_positions(self, index: torch.LongTensor) -> None:
+    def select_positions(self, index: torch.LongTensor, check_bounds: bool = True) -> None:
         """
         Keep, per batch row, the cache positions `index` (in that order); the layer's length becomes `S_keep`.
 
         Used by the speculative engine after verifying a draft tree. A kept position keeps its full-precision copy
-        only if, in every row, it lies in the trailing run of positions that had one.
+        only if, in every row, it lies in the trailing run of positions that had one. Without a window
+        (`residual_length=0`) and with `check_bounds=False` it makes no host synchronisation.
 
         Args:
             index (`torch.LongTensor` of shape `[batch, S_keep]`): absolute cache positions to keep, per row.
+            check_bounds (`bool`, *optional*, defaults to `True`): raise a `ValueError` on positions outside the
+                cache (one host synchronisation); [`PaluQuantizedCache.select_positions`] checks once for all layers.
         """
         if not self.is_initialized:
             return
@@ -189,10 +199,10 @@ class PaluQuantizedLayer(DynamicLayer):
         if index.dim() != 2 or index.shape[0] != batch:
             raise ValueError(f"`index` must have shape [batch={batch}, S_keep], got {tuple(index.shape)}.")
         index = index.to(self.quantized_keys.codes.device)
-        if index.numel() and (index.min() < 0 or index.max() >= length):
+        if check_bounds and index.numel() and bool((index < 0).any() | (index >= length).any()):
             raise ValueError(f"`index` holds positions outside [0, {length}): {index.min()}..{index.max()}.")
         window_start = length - self.keys.shape[-2]
-        window_keep = _count_trailing_true(index >= window_start)
+        window_keep = 0 if self.keys.shape[-2] == 0 else _count_trailing_true(index >= window_start)
         window_index = index[:, index.shape[1] - window_keep :] - window_start
         self.quantized_keys = self.quantized_keys.apply(functools.partial(_gather_positions, index=index))
         self.quantized_values = self.quantized_values.apply(functools.partial(_gather_positions, index=index))
@@ -265,8 +275,8 @@ class PaluQuantizedCache(Cache):
 
     def select_positions(self, index: torch.LongTensor) -> None:
         """Keep the cache positions `index` (`[batch, S_keep]`) in every layer, see [`PaluQuantizedLayer.select_positions`]."""
-        for layer in self.layers:
-            layer.select_positions(index)
+        for layer_idx, layer in enumerate(self.layers):
+            layer.select_positions(index, check_bounds=layer_idx == 0)
 
     def get_cache_bytes(self) -> int:
         """True stored bytes over all layers: codes, scales, zero-points and full-precision windows."""
