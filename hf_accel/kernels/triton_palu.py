@@ -148,12 +148,10 @@ def rope_key_scores(
         return out
     quantized = isinstance(latent_keys, QuantizedLatents)
     if quantized:
-        latent, codes, scales, zeros = (
-            up_proj,
-            *(t.contiguous() for t in (latent_keys.codes, latent_keys.scales, latent_keys.zeros)),
-        )
+        codes, scales, zeros = (t.contiguous() for t in (latent_keys.codes, latent_keys.scales, latent_keys.zeros))
+        latent = codes  # unused by the kernel on this path
         packing = (codes.shape[-1], scales.shape[-1], latent_keys.group_size, latent_keys.bits)
-    else:  # the packed-code pointers are unused: pass any tensor
+    else:  # the packed-code pointers are unused on this path
         latent = codes = scales = zeros = latent_keys.contiguous()
         packing = (1, 1, 1, 8)
     half, block_s = head_dim // 2, 64
