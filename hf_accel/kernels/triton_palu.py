@@ -4,9 +4,10 @@ Imported only through the kernel registry (`get_kernel(name, "triton")`), never 
 under the Triton interpreter (`TRITON_INTERPRET=1`), which is how the tests check them against the references.
 
 Design differences with the Palu code's `_abx_fwd` (spec §3.1):
-- one program per (batch row, key/value head, sequence tile) rebuilds the key tile **once** and scores it against
-  all `num_heads / num_key_value_heads · q_len` query rows of that head (GQA and tree verification), instead of one
-  program per query head rebuilding the same tile again;
+- one program per (batch row, latent group, sequence tile) computes the RoPE angles once, then for each key/value
+  head of the group rebuilds the key tile **once** and scores it against all `num_heads / num_key_value_heads ·
+  q_len` query rows of that head (GQA and tree verification), instead of one program per query head rebuilding
+  the same tile again;
 - positions are read per token (`key_positions`), not assumed to be `0..L-1`, and RoPE uses the model's
   `inv_freq` and `attention_scaling`, so θ and the scaled rope types are covered;
 - any head_dim (even), any rank, any number of heads, batch > 1.
@@ -81,36 +82,11 @@ def _rebuild_key_tile(
 
 
 @triton.jit
-def _rope_key_scores_kernel(
-    q_ptr, latent_ptr, codes_ptr, scales_ptr, zeros_ptr, up_ptr, pos_ptr, inv_freq_ptr, out_ptr,
-    num_heads, num_kv_heads, q_len, seq_len, rank, kv_per_group, groups, attention_scaling, scaling,
-    num_bytes, num_qgroups, group_size,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BITS: tl.constexpr, QUANTIZED: tl.constexpr,
-    IEEE_K: tl.constexpr, IEEE_Q: tl.constexpr,
+def _store_head_scores(
+    q_ptr, out_ptr, k1, k2, b, j, offs_s, mask_s, offs_h, mask_h, num_heads, num_kv_heads, q_len, seq_len, scaling,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Q: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    pid_bk = tl.program_id(0).to(tl.int64)  # b · num_kv_heads + j
-    b, j = pid_bk // num_kv_heads, pid_bk % num_kv_heads
-    g, i = j // kv_per_group, j % kv_per_group  # head j is head i of latent group g
-    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    mask_s = offs_s < seq_len
-    offs_h = tl.arange(0, BLOCK_HALF)
-    mask_h = offs_h < HALF
-    up_row = kv_per_group * HEAD_DIM
-    token = (b * groups + g) * seq_len + offs_s  # flat (b, g, s) latent row
-    up_base = up_ptr + g * rank * up_row + i * HEAD_DIM
-    acc1, acc2 = _rebuild_key_tile(
-        latent_ptr, codes_ptr, scales_ptr, zeros_ptr, token, up_base, mask_s, offs_h, mask_h, rank, up_row,
-        num_bytes, num_qgroups, group_size, HALF, BLOCK_S, BLOCK_R, BLOCK_HALF, BITS, QUANTIZED, IEEE_K,
-    )  # fmt: skip
-    # reconstruct-then-RoPE at each token's absolute position (spec §2.3 decode step 2), rotate_half layout
-    pos = tl.load(pos_ptr + b * seq_len + offs_s, mask=mask_s, other=0).to(tl.float32)
-    inv_freq = tl.load(inv_freq_ptr + offs_h, mask=mask_h, other=0.0)
-    freqs = pos[:, None] * inv_freq[None, :]
-    cos, sin = tl.cos(freqs) * attention_scaling, tl.sin(freqs) * attention_scaling
-    k1 = acc1 * cos - acc2 * sin
-    k2 = acc2 * cos + acc1 * sin
-    # every query row (head, t) of this key/value head reads the rebuilt tile: n_rep · q_len rows
+    # every query row (head, t) of key/value head j reads the rebuilt tile: num_heads / num_kv_heads · q_len rows
     num_rep = num_heads // num_kv_heads
     num_rows = num_rep * q_len
     offs_m = tl.arange(0, BLOCK_Q)
@@ -123,10 +99,47 @@ def _rope_key_scores_kernel(
         q1 = tl.load(q_ptrs, mask=q_mask, other=0.0)
         q2 = tl.load(q_ptrs + HALF, mask=q_mask, other=0.0)
         scores = tl.zeros((BLOCK_Q, BLOCK_S), dtype=tl.float32)
-        scores = _dot(q1, tl.trans(k1.to(q1.dtype)), scores, IEEE_Q)
-        scores = _dot(q2, tl.trans(k2.to(q1.dtype)), scores, IEEE_Q)
+        scores = _dot(q1, tl.trans(k1.to(q1.dtype)), scores, IEEE)
+        scores = _dot(q2, tl.trans(k2.to(q1.dtype)), scores, IEEE)
         out_ptrs = out_ptr + row[:, None] * seq_len + offs_s[None, :]
         tl.store(out_ptrs, scores * scaling, mask=mask_m[:, None] & mask_s[None, :])
+
+
+@triton.jit
+def _rope_key_scores_kernel(
+    q_ptr, latent_ptr, codes_ptr, scales_ptr, zeros_ptr, up_ptr, pos_ptr, inv_freq_ptr, out_ptr,
+    num_heads, num_kv_heads, q_len, seq_len, rank, kv_per_group, groups, attention_scaling, scaling,
+    num_bytes, num_qgroups, group_size,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BITS: tl.constexpr, QUANTIZED: tl.constexpr,
+    IEEE_K: tl.constexpr, IEEE_Q: tl.constexpr,
+):  # fmt: skip
+    pid_bg = tl.program_id(0).to(tl.int64)  # b · groups + g
+    b, g = pid_bg // groups, pid_bg % groups
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    mask_s = offs_s < seq_len
+    offs_h = tl.arange(0, BLOCK_HALF)
+    mask_h = offs_h < HALF
+    # RoPE angles at each token's absolute position, computed once for all key/value heads of the group
+    pos = tl.load(pos_ptr + b * seq_len + offs_s, mask=mask_s, other=0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + offs_h, mask=mask_h, other=0.0)
+    freqs = pos[:, None] * inv_freq[None, :]
+    cos, sin = tl.cos(freqs) * attention_scaling, tl.sin(freqs) * attention_scaling
+    token = pid_bg * seq_len + offs_s  # flat (b, g, s) latent row
+    up_row = kv_per_group * HEAD_DIM
+    for i in range(kv_per_group):  # head i of the group; its re-reads of the latent tile should hit L1/L2
+        up_base = up_ptr + g * rank * up_row + i * HEAD_DIM
+        acc1, acc2 = _rebuild_key_tile(
+            latent_ptr, codes_ptr, scales_ptr, zeros_ptr, token, up_base, mask_s, offs_h, mask_h, rank, up_row,
+            num_bytes, num_qgroups, group_size, HALF, BLOCK_S, BLOCK_R, BLOCK_HALF, BITS, QUANTIZED, IEEE_K,
+        )  # fmt: skip
+        # reconstruct-then-RoPE (spec §2.3 decode step 2), transformers' rotate_half layout
+        k1 = acc1 * cos - acc2 * sin
+        k2 = acc2 * cos + acc1 * sin
+        _store_head_scores(
+            q_ptr, out_ptr, k1, k2, b, g * kv_per_group + i, offs_s, mask_s, offs_h, mask_h,
+            num_heads, num_kv_heads, q_len, seq_len, scaling, HEAD_DIM, HALF, BLOCK_S, BLOCK_Q, IEEE_Q,
+        )  # fmt: skip
 
 
 def rope_key_scores(
@@ -155,7 +168,7 @@ def rope_key_scores(
         latent = codes = scales = zeros = latent_keys.contiguous()
         packing = (1, 1, 1, 8)
     half, block_s = head_dim // 2, 64
-    grid = (batch * num_kv_heads, triton.cdiv(seq_len, block_s))
+    grid = (batch * groups, triton.cdiv(seq_len, block_s))
     _rope_key_scores_kernel[grid](
         query_states.contiguous(), latent, codes, scales, zeros, up_proj.contiguous(), key_positions.contiguous(),
         inv_freq.float().contiguous(), out,
