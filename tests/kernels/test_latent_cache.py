@@ -126,6 +126,32 @@ def test_select_positions_after_tree_verification(window):
     _check(layer, ref)
 
 
+@pytest.mark.parametrize("window", [0, 2, 5])
+def test_random_operation_sequences_match_the_oracle(window):
+    gen = torch.Generator().manual_seed(window)
+    for trial in range(6):
+        layer, ref = PaluQuantizedLayer(bits=2, residual_length=window), _Reference(window, bits=2)
+        for step in range(8):
+            length = layer.get_seq_length()
+            op = int(torch.randint(0, 3, (1,), generator=gen)) if length > 2 else 0
+            if op == 0:
+                k, v = _latents(int(torch.randint(1, 4, (1,), generator=gen)), 100 * trial + step)
+                layer.update(k, v)
+                ref.append(k, v)
+            elif op == 1:
+                keep = int(torch.randint(1, length, (1,), generator=gen))
+                layer.crop(keep - length)
+                ref.select(torch.arange(keep).expand(B, -1))
+            else:  # keep a common prefix, then a different sorted subset of the tail per row
+                prefix, tail = length // 2, length - length // 2
+                size = int(torch.randint(1, tail + 1, (1,), generator=gen))
+                picks = [torch.randperm(tail, generator=gen)[:size].sort().values + prefix for _ in range(B)]
+                index = torch.cat([torch.arange(prefix).expand(B, -1), torch.stack(picks)], dim=1)
+                layer.select_positions(index)
+                ref.select(index)
+            _check(layer, ref)
+
+
 def test_select_positions_rejects_bad_index():
     layer = PaluQuantizedLayer()
     layer.update(*_latents(3, 0))

@@ -62,6 +62,37 @@ def test_rope_reference_matches_transformers_rope(groups, kv_heads, heads):
     torch.testing.assert_close(scores, 0.5 * expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 500000.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    ],
+)  # fmt: skip
+def test_rope_reference_matches_the_model_rotary_embedding(rope_parameters):
+    # a model's own cos/sin (θ, YaRN attention scaling, llama3 frequencies) from its inv_freq and attention_scaling
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        rope_parameters=rope_parameters,
+    )  # fmt: skip
+    rotary = LlamaRotaryEmbedding(config)
+    query, latent, up_proj, positions, _ = _rope_inputs(seq_len=7)
+    positions = positions % 256
+    cos, sin = rotary(latent, positions)
+    keys = (latent @ up_proj).view(2, 1, 7, 2, 8).permute(0, 1, 3, 2, 4).reshape(2, 2, 7, 8)
+    _, keys = apply_rotary_pos_emb(keys, keys, cos, sin)
+    expected = query @ repeat_kv(keys, 2).transpose(-1, -2)
+    actual = get_kernel("rope_key_scores")(
+        query, latent, up_proj, positions, rotary.inv_freq, attention_scaling=rotary.attention_scaling
+    )
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_rope_reference_accepts_packed_latents():
     query, latent, up_proj, positions, inv_freq = _rope_inputs(groups=2, kv_heads=2, rank=16)
     packed = quantize_per_token(latent, 3)
