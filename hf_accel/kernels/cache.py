@@ -123,6 +123,62 @@ class PaluQuantizedLayer(DynamicLayer):
         self.append(key_states, value_states)
         return self.get_states()
 
+    def key_scores(
+        self,
+        query_states: torch.Tensor,
+        up_proj: torch.Tensor,
+        key_positions: torch.LongTensor,
+        inv_freq: torch.Tensor,
+        attention_scaling: float = 1.0,
+        scaling: float = 1.0,
+        backend: str = "eager",
+    ) -> torch.Tensor:
+        """
+        Scores of RoPE'd queries against the cached key latents, without materialising the keys (spec 002 §3.1).
+
+        Tokens in codes go through the `rope_key_scores` kernel on packed latents; window tokens use their
+        full-precision copy. Arguments are those of [`~hf_accel.kernels.reference.rope_key_scores`] (`key_positions`
+        covers every cached token), plus the kernel `backend`.
+
+        Returns:
+            `torch.Tensor` of shape `[batch, num_heads, q_len, seq_len]`, float32.
+        """
+        from .registry import get_kernel
+
+        kernel = get_kernel("rope_key_scores", backend)
+        num_coded = self.get_seq_length() - self.window_length
+        coded = self.quantized_keys
+        if self.window_length:  # a slice of the codes: the kernel makes it contiguous (one copy of the bytes)
+            coded = coded.apply(lambda t: t[..., :num_coded, :])
+        rope = {"attention_scaling": attention_scaling, "scaling": scaling}
+        scores = kernel(query_states, coded, up_proj, key_positions[:, :num_coded], inv_freq, **rope)
+        if self.window_length == 0:
+            return scores
+        window = kernel(query_states, self.keys, up_proj, key_positions[:, num_coded:], inv_freq, **rope)
+        return torch.cat([scores, window], dim=-1)
+
+    def attend_values(self, probs: torch.Tensor, backend: str = "eager") -> torch.Tensor:
+        """
+        `probs · V̂` against the cached value latents, without dequantizing them to memory (spec 002 §3.2).
+
+        Args:
+            probs (`torch.Tensor` of shape `[batch, num_heads, q_len, seq_len]`): attention probabilities; query head
+                `h` reads latent group `h // (num_heads / groups)`.
+            backend (`str`, *optional*, defaults to `"eager"`): kernel backend, see [`get_kernel`].
+
+        Returns:
+            `torch.Tensor` of shape `[batch, num_heads, q_len, r_v]`, float32; `o_proj` (with `B^v` folded in) follows.
+        """
+        from .registry import get_kernel
+
+        num_coded = self.get_seq_length() - self.window_length
+        out = get_kernel("dequantize_attend", backend)(probs[..., :num_coded], self.quantized_values)
+        if self.window_length == 0:
+            return out
+        batch, num_heads, q_len, _ = probs.shape
+        grouped = probs[..., num_coded:].float().reshape(batch, self.values.shape[1], -1, self.window_length)
+        return out + (grouped @ self.values.float()).view(batch, num_heads, q_len, -1)
+
     def get_seq_length(self) -> int:
         """Number of cached tokens."""
         return 0 if not self.is_initialized else self.quantized_keys.codes.shape[-2]

@@ -213,6 +213,28 @@ def test_batch_rows_equal_single_row_runs(window):
             torch.testing.assert_close(values[row : row + 1], row_values, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_fused_reads_match_the_dequantized_states(window):
+    from hf_accel.kernels import get_kernel
+
+    layer = PaluQuantizedLayer(bits=3, residual_length=window)
+    layer.update(*_latents(6, 0))
+    layer.update(*_latents(2, 1))
+    keys, values = layer.get_states()
+    heads, head_dim = 2 * G, 8
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(B, heads, 2, head_dim, generator=gen)
+    up_proj = torch.randn(G, RK, head_dim, generator=gen)  # one key/value head per group
+    positions = torch.arange(8).expand(B, -1)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)
+    expected = get_kernel("rope_key_scores")(query, keys, up_proj, positions, inv_freq, scaling=0.5)
+    actual = layer.key_scores(query, up_proj, positions, inv_freq, scaling=0.5)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    probs = torch.rand(B, heads, 2, 8, generator=gen).softmax(-1)
+    expected = probs.reshape(B, G, -1, 8) @ values
+    torch.testing.assert_close(layer.attend_values(probs), expected.view(B, heads, 2, RV), atol=1e-5, rtol=1e-5)
+
+
 def test_invalid_construction():
     with pytest.raises(ValueError, match="bits"):
         PaluQuantizedCache(bits=16)
