@@ -7,7 +7,8 @@ Palu pieces (spec 002), for the converter and the Palu attention:
 - `quant`: `quantize_per_token(x, bits, group_size)` → `QuantizedLatents` (packed codes, scales, zeros),
   `dequantize_per_token`, `compute_bytes_per_token`.
 - `cache`: `PaluQuantizedCache` / `PaluQuantizedLayer` (each token quantized once, optional full-precision window,
-  `get_cache_bytes`, `crop`, `select_positions`, batch ops).
+  `get_cache_bytes`, `crop`, `select_positions`, batch ops; `key_scores` / `attend_values` read the packed latents
+  through the kernels).
 - kernels, by name through `get_kernel(name, backend)` with backend `"eager"`, `"triton"` or `"auto"`:
   `rope_key_scores` (latent × B → RoPE → q·kᵀ, plain or packed latents), `dequantize_matmul` (packed latents × B),
   `dequantize_attend` (probabilities × packed value latents).

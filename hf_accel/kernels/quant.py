@@ -186,7 +186,8 @@ def quantize_per_token(
         x (`torch.Tensor` of shape `[..., dim]`): latents; each vector along the last axis is a token.
         bits (`int`): code width, 2, 3 or 4 for Palu.
         group_size (`int`, *optional*): channels per scale/zero; `None` or `0` for the whole vector.
-        meta_dtype (`torch.dtype`, *optional*, defaults to `torch.float16`): dtype of scales and zeros.
+        meta_dtype (`torch.dtype`, *optional*, defaults to `torch.float16`): dtype of scales and zeros; use
+            `torch.float32` (or `torch.bfloat16`) for latents whose magnitude may exceed the float16 range.
 
     Returns:
         [`QuantizedLatents`] with codes `[..., ceil(dim·bits/8)]` and scales/zeros `[..., dim // group_size]`.
