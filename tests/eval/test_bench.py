@@ -28,11 +28,13 @@ def test_summarize_speedup_and_identity_by_hand():
     prompts = [BenchPrompt("a", "x", ""), BenchPrompt("b", "y", "")]
     vanilla = MethodRun(outputs={"a": [1, 2, 3, 4], "b": [5, 6]})
     vanilla.seconds.update(x=2.0, y=1.0)
-    vanilla.passes.update(x=3, y=1)
+    vanilla.accepted.update(x=3, y=1)
+    vanilla.row_passes.update(x=3, y=1)
     fast = MethodRun(outputs={"a": [1, 2, 3, 4], "b": [5, 7]})
     fast.seconds.update(x=1.0, y=1.0)
-    fast.passes.update(x=1, y=1)
-    out = summarize({"vanilla": vanilla, "fast": fast}, prompts, batch_size=1, do_sample=False)
+    fast.accepted.update(x=3, y=1)
+    fast.row_passes.update(x=1, y=1)
+    out = summarize({"vanilla": vanilla, "fast": fast}, prompts, do_sample=False)
     assert out["vanilla"]["tokens_per_s"] == pytest.approx(6 / 3.0)
     assert out["fast"]["speedup"] == pytest.approx((6 / 2.0) / (6 / 3.0))
     assert out["fast"]["per_category"]["x"] == {
