@@ -1,0 +1,276 @@
+"""Calibration for K/V factorization: per-layer second moments of the k/v-projection input (CARE Stage 1–2).
+
+Forward pre-hooks on every layer's `k_proj` capture its input, the post-`input_layernorm` activation that K and V
+share, so one `C⁽ˡ⁾ = (1/N) Σ_t x_tᵀ x_t` per layer serves both (spec A.4, Stage 1 [INTERP]). Only the original
+model runs (not a partially converted one), sums are float64, and padding tokens are excluded through the attention
+mask. The same pass accumulates `mean_t |x_t|` per channel for the ASVD baseline.
+
+Optionally (`with_output_grads=True`) a backward pass of the causal-LM loss also accumulates, per layer, the second
+moment of the loss gradient with respect to the K and V projection outputs, `G = (1/N) Σ_t g_tᵀ g_t`: the
+output-side weighting used by loss-aware rank gains.
+"""
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+
+@dataclass
+class KvCalibration:
+    """Statistics of one calibration run, all float64 on CPU.
+
+    Attributes:
+        moments (`list[torch.Tensor]`, each `[D, D]`): per layer, the second moment `C` of the k/v-proj input.
+        abs_means (`list[torch.Tensor]`, each `[D]`): per layer, `mean_t |x_t|` (ASVD).
+        tokens (`int`): number of non-padding tokens seen.
+        k_grad_moments, v_grad_moments (`list[torch.Tensor]`, each `[out, out]`, *optional*): per layer, the second
+            moment of `∂loss/∂(k_proj output)` and `∂loss/∂(v_proj output)` (summed-loss gradients, per token).
+    """
+
+    moments: list
+    abs_means: list
+    tokens: int
+    k_grad_moments: list | None = None
+    v_grad_moments: list | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def chunk_token_ids(token_ids: Sequence[int], num_samples: int, seq_len: int, seed: int | None = None) -> torch.Tensor:
+    """Cuts `num_samples` non-overlapping windows of `seq_len` tokens out of one token stream.
+
+    Args:
+        token_ids (sequence of `int`): the tokenized calibration text.
+        num_samples (`int`): number of windows.
+        seq_len (`int`): tokens per window.
+        seed (`int`, *optional*): if given, windows are a random subset of all windows; otherwise the first ones.
+
+    Returns:
+        `torch.LongTensor` of shape `[num_samples, seq_len]`.
+    """
+    if num_samples < 1 or seq_len < 2:
+        raise ValueError(f"need num_samples >= 1 and seq_len >= 2, got {num_samples} x {seq_len}")
+    available = len(token_ids) // seq_len
+    if available < num_samples:
+        raise ValueError(
+            f"calibration text too short: {len(token_ids)} tokens give {available} windows of {seq_len}, "
+            f"{num_samples} requested; pass more text or fewer samples / a shorter seq-len"
+        )
+    starts = list(range(available))
+    if seed is not None:
+        starts = sorted(random.Random(seed).sample(starts, num_samples))
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    return torch.stack([ids[s * seq_len : (s + 1) * seq_len] for s in starts[:num_samples]])
+
+
+def tokenize_calibration_text(
+    tokenizer, text: str, num_samples: int, seq_len: int, seed: int | None = None
+) -> torch.Tensor:
+    """Tokenizes `text` (no special tokens) and cuts it with [`chunk_token_ids`]; `[num_samples, seq_len]`."""
+    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return chunk_token_ids(token_ids, num_samples, seq_len, seed)
+
+
+def _attention_layers(model):
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+        raise ValueError(f"{type(model).__name__} has no `model.layers[i].self_attn`: not a supported decoder LM")
+    return [layer.self_attn for layer in layers]
+
+
+def _accumulate_inputs(attn_modules, stats, mask_box):
+    """Registers the k_proj input hooks; returns their handles."""
+
+    def make_hook(idx):
+        def hook(_module, args):
+            x = args[0].detach()  # [B, S, D]
+            mask = mask_box[0]
+            x = x.reshape(-1, x.shape[-1]) if mask is None else x[mask.bool()]
+            x = x.double()
+            stats["moments"][idx] += x.T @ x
+            stats["abs_sums"][idx] += x.abs().sum(0)
+
+        return hook
+
+    return [attn.k_proj.register_forward_pre_hook(make_hook(i)) for i, attn in enumerate(attn_modules)]
+
+
+def _accumulate_output_grads(attn_modules, stats, mask_box):
+    """Registers forward hooks that attach gradient hooks to the k/v_proj outputs; returns the handles."""
+
+    def make_hook(idx, key):
+        def fwd_hook(_module, _args, output):
+            def grad_hook(grad):  # [B, S, out]
+                mask = mask_box[0]
+                g = grad.reshape(-1, grad.shape[-1]) if mask is None else grad[mask.bool()]
+                g = g.double()
+                stats[key][idx] += g.T @ g
+
+            output.register_hook(grad_hook)
+
+        return fwd_hook
+
+    handles = []
+    for i, attn in enumerate(attn_modules):
+        handles.append(attn.k_proj.register_forward_hook(make_hook(i, "k_grads")))
+        handles.append(attn.v_proj.register_forward_hook(make_hook(i, "v_grads")))
+    return handles
+
+
+def collect_kv_calibration(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    batch_size: int = 8,
+    with_output_grads: bool = False,
+    progress: bool = True,
+) -> KvCalibration:
+    """Runs the original model over calibration batches and accumulates the K/V input statistics.
+
+    Args:
+        model (`PreTrainedModel`): a Llama/Mistral/Qwen2/Qwen3-style causal LM (`model.model.layers[i].self_attn`).
+        input_ids (`torch.LongTensor` of shape `[N, S]`): calibration sequences.
+        attention_mask (`torch.Tensor` of shape `[N, S]`, *optional*): 0 marks padding, which is excluded.
+        batch_size (`int`, *optional*, defaults to 8): sequences per forward pass.
+        with_output_grads (`bool`, *optional*, defaults to `False`): also run the backward pass of the causal-LM loss
+            and accumulate the K/V output-gradient moments (loss-aware gains).
+        progress (`bool`, *optional*, defaults to `True`): show a progress bar.
+
+    Returns:
+        [`KvCalibration`] with per-token averages.
+    """
+    attn_modules = _attention_layers(model)
+    d_in = attn_modules[0].k_proj.in_features
+    d_k, d_v = attn_modules[0].k_proj.out_features, attn_modules[0].v_proj.out_features
+    n = len(attn_modules)
+    zeros = lambda *shape: [torch.zeros(*shape, dtype=torch.float64) for _ in range(n)]  # noqa: E731
+    stats = {"moments": zeros(d_in, d_in), "abs_sums": zeros(d_in), "k_grads": zeros(d_k, d_k), "v_grads": zeros(d_v, d_v)}
+    mask_box = [None]
+    handles = _accumulate_inputs(attn_modules, stats, mask_box)
+    if with_output_grads:
+        handles += _accumulate_output_grads(attn_modules, stats, mask_box)
+    tokens = 0
+    device = next(model.parameters()).device
+    try:
+        for start in tqdm(range(0, len(input_ids), batch_size), desc="calibration", disable=not progress):
+            ids = input_ids[start : start + batch_size].to(device)
+            mask = None if attention_mask is None else attention_mask[start : start + batch_size].to(device)
+            mask_box[0] = mask
+            tokens += ids.numel() if mask is None else int(mask.sum())
+            _calibration_step(model, ids, mask, with_output_grads)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if tokens == 0:
+        raise ValueError("calibration saw no tokens (all padding?)")
+    return KvCalibration(
+        moments=[c / tokens for c in stats["moments"]],
+        abs_means=[a / tokens for a in stats["abs_sums"]],
+        tokens=tokens,
+        k_grad_moments=[g / tokens for g in stats["k_grads"]] if with_output_grads else None,
+        v_grad_moments=[g / tokens for g in stats["v_grads"]] if with_output_grads else None,
+    )
+
+
+def _calibration_step(model, ids, mask, with_output_grads):
+    if not with_output_grads:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+        return
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    was_grad = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    try:
+        with torch.enable_grad():
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            out = model(inputs_embeds=embeds, attention_mask=mask, labels=labels, use_cache=False)
+            # Sum over tokens (not mean) so each token's gradient is its own loss's gradient.
+            n_pred = int((labels[:, 1:] != -100).sum())
+            (out.loss * n_pred).backward()
+    finally:
+        for p, g in zip(model.parameters(), was_grad):
+            p.requires_grad_(g)
+
+
+# Short, varied instructions for model-generated calibration text (the default source for instruct models).
+CALIBRATION_PROMPTS = (
+    "Tell me a short story about a lighthouse keeper.",
+    "Explain how photosynthesis works.",
+    "Write a Python function that checks whether a number is prime.",
+    "What are the main causes of inflation?",
+    "Describe the water cycle to a ten-year-old.",
+    "Give me three tips for learning a new language.",
+    "Summarize the history of the Roman Empire in a paragraph.",
+    "How does a hash table work?",
+    "Write a polite email asking for a meeting next week.",
+    "What is the difference between weather and climate?",
+    "Explain recursion with an example.",
+    "List some healthy breakfast ideas.",
+    "Why is the sky blue?",
+    "Write a haiku about autumn.",
+    "How do vaccines train the immune system?",
+    "Compare renting and buying a home.",
+)
+
+
+def generate_calibration_ids(
+    model, tokenizer, num_samples: int, seq_len: int, seed: int = 0, prompts=CALIBRATION_PROMPTS, batch_size: int = 32,
+    progress: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples `num_samples` responses of up to `seq_len` tokens from the model itself (self-distillation text).
+
+    Returns:
+        `(input_ids, attention_mask)`, both `[num_samples, seq_len]`: the generated tokens only (the prompt is not
+        part of the calibration); tokens after an end-of-sequence are padding (mask 0).
+    """
+    torch.manual_seed(seed)
+    rows, masks = [], []
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    for start in tqdm(range(0, num_samples, batch_size), desc="generating calibration text", disable=not progress):
+        batch = [prompts[(start + i) % len(prompts)] for i in range(min(batch_size, num_samples - start))]
+        enc = _encode_prompts(tokenizer, batch).to(next(model.parameters()).device)
+        with torch.no_grad():
+            out = model.generate(
+                **enc, do_sample=True, temperature=1.0, top_p=0.95, max_new_tokens=seq_len, min_new_tokens=seq_len,
+                pad_token_id=pad_id,
+            )
+        new = out[:, enc["input_ids"].shape[1] :].cpu()  # [b, seq_len]
+        rows.append(new)
+        masks.append(torch.ones_like(new))
+    return torch.cat(rows), torch.cat(masks)
+
+
+def _encode_prompts(tokenizer, prompts):
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        if getattr(tokenizer, "chat_template", None):
+            texts = [
+                tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                for p in prompts
+            ]
+            return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return tokenizer(list(prompts), return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = padding_side
+
+
+def load_calibration_text(source: str, split: str = "train", column: str = "text") -> str:
+    """Text of a calibration source: a text-file path, or `hf:<dataset>[:<config>]` (a `datasets` dataset).
+
+    Raises:
+        `FileNotFoundError` for a missing file; `ValueError` for a dataset without `column`.
+    """
+    if source.startswith("hf:"):
+        from datasets import load_dataset
+
+        name, _, config = source[3:].partition(":")
+        dataset = load_dataset(name, config or None, split=split)
+        if column not in dataset.column_names:
+            raise ValueError(f"dataset {name!r} has no column {column!r}; columns: {dataset.column_names}")
+        return "\n\n".join(t for t in dataset[column] if t)
+    with open(source, encoding="utf-8") as f:
+        return f.read()

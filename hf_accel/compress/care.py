@@ -1,0 +1,386 @@
+"""CARE: convert a GQA causal LM into multi-head latent attention (MLA) that caches K/V latents.
+
+Pipeline (spec 000, Part A): calibrate the k/v-projection input moments on the original model
+([`collect_kv_calibration`]), factorize every K and V projection with a covariance-weighted SVD
+([`whitened_factorize`]), allocate per-matrix ranks under a KV-cache budget ([`allocate_ranks`]), and build a
+`Care*ForCausalLM` ([`build_care_model`]) whose cache holds `r_K + r_V` numbers per token per layer.
+
+Methods (`method=`): `svd` (plain SVD, uniform ranks), `asvd` (diagonal activation scaling, uniform), `care-u`
+(whitened SVD, uniform), `care-e-raw` (whitened SVD, the spec's water-filling on raw σ), `care-e-rel` (water-filling on
+per-matrix relative energy σ²/Σσ²), and `care` (the default; see [`DEFAULT_ALLOCATION`]).
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .calibration import KvCalibration, collect_kv_calibration
+from .factorize import asvd_scale, factorize, shrink_moment, symmetric_sqrt, whitened_factorize
+from .ranks import budget_from_kv_keep, raw_sigma_gains, relative_energy_gains, uniform_ranks, water_fill
+
+
+METHODS = ("care", "care-u", "care-e-raw", "care-e-rel", "svd", "asvd")
+# model_type of the original → (config class, model class) in hf_accel/models/{configuration,modeling}_care.py
+FAMILIES = {
+    "llama": ("CareLlamaConfig", "CareLlamaForCausalLM"),
+    "mistral": ("CareMistralConfig", "CareMistralForCausalLM"),
+    "qwen2": ("CareQwen2Config", "CareQwen2ForCausalLM"),
+    "qwen3": ("CareQwen3Config", "CareQwen3ForCausalLM"),
+}
+
+
+@dataclass
+class CareConversionConfig:
+    """Options of a CARE conversion (the CLI's `convert care` flags map to these fields)."""
+
+    kv_keep: float = field(default=0.5, metadata={"help": "Fraction of the K+V cache width kept, in (0, 1]."})
+    method: str = field(default="care", metadata={"help": f"One of {', '.join(METHODS)}."})
+    alpha: float = field(default=0.05, metadata={"help": "Shrinkage weight α of C_λ = (1−α)C + αλI (spec Eq. 3.8)."})
+    lam_frac: float = field(default=1e-2, metadata={"help": "λ as a fraction of λ_max(C)."})
+    asvd_alpha: float = field(default=0.5, metadata={"help": "ASVD exponent of the per-channel scaling."})
+    absorb_value: bool = field(default=False, metadata={"help": "Fold the value up-projection into o_proj."})
+    rank_floor_frac: float = field(
+        default=0.0, metadata={"help": "Default allocation: every matrix keeps at least this fraction of its width."}
+    )
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown CARE method {self.method!r}; choose one of {', '.join(METHODS)}")
+        budget_from_kv_keep([1], self.kv_keep)  # validates kv_keep
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
+
+
+def model_family(model) -> str:
+    """The model_type of a supported original model; raises `ValueError` for others."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"CARE does not know model family {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return model_type
+
+
+def kv_weights(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer `(W_K, W_V)` in row-vector form `[D, g·d]` (`linear.weight.T`)."""
+    return [
+        (layer.self_attn.k_proj.weight.detach().T, layer.self_attn.v_proj.weight.detach().T)
+        for layer in model.model.layers
+    ]
+
+
+def _two_sided_factors(idx, w_k, w_v, calibration: KvCalibration, config: CareConversionConfig):
+    """The default method's factors: SVD of `√C_λ · W · √G_λ` for K and V of layer `idx`.
+
+    `G` is the second moment of the loss gradient at the projection's output, so under the Kronecker-factored
+    (K-FAC) approximation of the Hessian, `½‖√C (W − Ŵ) √G‖²_F` estimates the loss increase of replacing `W` by `Ŵ`.
+    The truncation then minimises that estimate, and the singular values are in loss units: comparable across
+    layers and between K and V, which is what water-filling needs. Raw σ of `√C·W` are not (their scale differs per
+    layer and says nothing of how much the loss cares; see issue 3's probe).
+    """
+    if calibration.k_grad_moments is None:
+        raise ValueError("method 'care' needs output-gradient moments: calibrate with with_output_grads=True")
+    scale, scale_inv = symmetric_sqrt(shrink_moment(calibration.moments[idx], config.alpha, config.lam_frac))
+    pair = []
+    for w, grad_moment in ((w_k, calibration.k_grad_moments[idx]), (w_v, calibration.v_grad_moments[idx])):
+        out_scale, out_scale_inv = symmetric_sqrt(shrink_moment(grad_moment, config.alpha, config.lam_frac))
+        pair.append(factorize(w, scale, scale_inv, out_scale, out_scale_inv))
+    return tuple(pair)
+
+
+def factorize_kv(model, calibration: KvCalibration | None, method: str, config: CareConversionConfig):
+    """Full-rank factors `[(K factors, V factors)]` per layer for `method` (no truncation yet)."""
+    factors = []
+    for idx, (w_k, w_v) in enumerate(kv_weights(model)):
+        if method == "svd":
+            pair = (factorize(w_k), factorize(w_v))
+        elif method == "asvd":
+            scale = asvd_scale(calibration.abs_means[idx], config.asvd_alpha)
+            pair = (factorize(w_k, scale), factorize(w_v, scale))
+        elif method == "care":
+            pair = _two_sided_factors(idx, w_k, w_v, calibration, config)
+        else:
+            moment = calibration.moments[idx]
+            pair = tuple(whitened_factorize(w, moment, config.alpha, config.lam_frac) for w in (w_k, w_v))
+        factors.append(pair)
+    return factors
+
+
+def _matrix_caps(factors) -> list[int]:
+    return [f.max_rank for pair in factors for f in pair]
+
+
+def allocate_ranks(
+    factors, kv_keep: float, method: str, rank_floor_frac: float = 0.0, gains=None
+) -> tuple[list[int], list[int]]:
+    """Per-layer `(K ranks, V ranks)` under the budget `kv_keep · Σ widths`.
+
+    Args:
+        factors (`list[tuple[LowRankFactors, LowRankFactors]]`): per layer, the K and V factors.
+        kv_keep (`float`): fraction of the K+V cache width kept, in (0, 1].
+        method (`str`): uniform for `svd`, `asvd`, `care-u`; water-filling on raw σ for `care-e-raw`, on relative
+            energy σ²/Σσ² for `care-e-rel`, and on `gains` (default: σ², loss units when the factors are two-sided)
+            for `care`.
+        rank_floor_frac (`float`, *optional*, defaults to 0): minimum rank as a fraction of each matrix's width.
+        gains (`list[torch.Tensor]`, *optional*): marginal gains per matrix (index `2·layer + {0: K, 1: V}`).
+    """
+    caps = _matrix_caps(factors)
+    sigmas = [f.sigma for pair in factors for f in pair]
+    if method in ("svd", "asvd", "care-u"):
+        ranks = uniform_ranks(caps, kv_keep)
+    else:
+        if method == "care-e-raw":
+            gains = raw_sigma_gains(sigmas)
+        elif method == "care-e-rel":
+            gains = relative_energy_gains(sigmas)
+        elif gains is None:
+            gains = [s.double() ** 2 for s in sigmas]
+        floors = [max(1, int(rank_floor_frac * c)) for c in caps]
+        ranks = water_fill(gains, budget_from_kv_keep(caps, kv_keep), caps, floors)
+    return ranks[0::2], ranks[1::2]
+
+
+def _validate_ranks(factors, k_ranks, v_ranks) -> None:
+    for idx, ((fk, fv), rk, rv) in enumerate(zip(factors, k_ranks, v_ranks)):
+        for name, f, r in (("K", fk, rk), ("V", fv, rv)):
+            if not 1 <= r <= f.max_rank:
+                raise ValueError(
+                    f"layer {idx} {name} rank {r} is outside [1, {f.max_rank}] (the projection's width and rank)"
+                )
+
+
+def care_config_from(model, k_ranks, v_ranks, absorb_value: bool = False):
+    """The `Care*Config` of a converted `model` (a copy of its config plus the ranks, unique `model_type`)."""
+    from ..models import configuration_care
+
+    family = model_family(model)
+    config_cls = getattr(configuration_care, FAMILIES[family][0])
+    config_dict = model.config.to_dict()
+    for key in ("model_type", "architectures", "auto_map", "transformers_version"):
+        config_dict.pop(key, None)
+    config_dict.update(care_k_ranks=list(k_ranks), care_v_ranks=list(v_ranks), care_absorb_value=absorb_value)
+    config = config_cls.from_dict(config_dict)
+    config.architectures = [FAMILIES[family][1]]
+    config.auto_map = {
+        "AutoConfig": f"configuration_care.{FAMILIES[family][0]}",
+        "AutoModelForCausalLM": f"modeling_care.{FAMILIES[family][1]}",
+    }
+    config._attn_implementation = model.config._attn_implementation
+    return config
+
+
+def _absorbed_o_proj(o_weight, o_bias, v_up, v_bias, num_heads, num_kv_heads, head_dim):
+    """Folds the value up-projection into o_proj per query head (spec Stage 5: `W_b^V W_O^(h)`).
+
+    Shapes: `o_weight [D, n_h·d]`, `v_up [g·d, r_V]`, `v_bias [g·d]` → weight `[D, n_h·r_V]`, bias `[D]`.
+    """
+    groups = num_heads // num_kv_heads
+    blocks, bias = [], (o_bias.clone() if o_bias is not None else torch.zeros(o_weight.shape[0], dtype=o_weight.dtype))
+    for head in range(num_heads):
+        kv = head // groups
+        o_h = o_weight[:, head * head_dim : (head + 1) * head_dim]  # [D, d]
+        blocks.append(o_h @ v_up[kv * head_dim : (kv + 1) * head_dim])  # [D, r_V]
+        if v_bias is not None:  # softmax rows sum to 1, so the value bias passes straight to o_proj
+            bias = bias + o_h @ v_bias[kv * head_dim : (kv + 1) * head_dim]
+    return torch.cat(blocks, dim=1), bias
+
+
+def build_care_model(model, factors, k_ranks, v_ranks, absorb_value: bool = False):
+    """Builds the `Care*ForCausalLM` with the truncated factors; every other weight is copied from `model`.
+
+    Args:
+        model (`PreTrainedModel`): the original GQA model.
+        factors (`list[tuple[LowRankFactors, LowRankFactors]]`): full-rank factors per layer.
+        k_ranks, v_ranks (`list[int]`): per-layer ranks.
+        absorb_value (`bool`, *optional*, defaults to `False`): fold the value up-projection into o_proj.
+
+    Returns:
+        The converted model, in eval mode, with `model`'s dtype and device.
+    """
+    from ..models import modeling_care
+
+    _validate_ranks(factors, k_ranks, v_ranks)
+    config = care_config_from(model, k_ranks, v_ranks, absorb_value)
+    care_model = getattr(modeling_care, FAMILIES[model_family(model)][1])(config)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith(("k_proj.weight", "v_proj.weight"))}
+    state = {k: v for k, v in state.items() if not k.endswith(("k_proj.bias", "v_proj.bias"))}
+    dtype = next(model.parameters()).dtype
+    for idx, ((fk, fv), rk, rv) in enumerate(zip(factors, k_ranks, v_ranks)):
+        prefix, attn = f"model.layers.{idx}.self_attn.", model.model.layers[idx].self_attn
+        k_down, k_up = fk.truncate(rk)
+        v_down, v_up = fv.truncate(rv)
+        state[prefix + "k_down.weight"], state[prefix + "k_up.weight"] = k_down.T, k_up.T
+        state[prefix + "v_down.weight"] = v_down.T
+        if attn.k_proj.bias is not None:
+            state[prefix + "k_up.bias"] = attn.k_proj.bias.detach()
+        v_bias = None if attn.v_proj.bias is None else attn.v_proj.bias.detach().double()
+        if absorb_value:
+            o_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.detach().double()
+            weight, bias = _absorbed_o_proj(
+                attn.o_proj.weight.detach().double(), o_bias, v_up.T, v_bias,
+                config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
+            )
+            state[prefix + "o_proj.weight"] = weight
+            if care_model.model.layers[idx].self_attn.o_proj.bias is not None:
+                state[prefix + "o_proj.bias"] = bias
+        else:
+            state[prefix + "v_up.weight"] = v_up.T
+            if v_bias is not None:
+                state[prefix + "v_up.bias"] = v_bias
+    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+    _check_finite(state)
+    care_model.load_state_dict(state, strict=True)
+    return care_model.to(next(model.parameters()).device).eval()
+
+
+def _check_finite(state) -> None:
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"conversion produced non-finite values in {name}; try a larger --alpha")
+
+
+
+@dataclass
+class CareResult:
+    """What [`run_care_conversion`] returns: the converted model and how it was made."""
+
+    model: object
+    k_ranks: list
+    v_ranks: list
+    method: str
+    kv_keep: float
+    calibration_seconds: float
+    factorization_seconds: float
+    calibration: KvCalibration | None = None
+
+    def summary(self) -> dict:
+        widths = sum(2 * a.k_up.out_features for a in _attn_modules(self.model))
+        return {
+            "method": self.method,
+            "kv_keep": self.kv_keep,
+            "achieved_kv_keep": (sum(self.k_ranks) + sum(self.v_ranks)) / widths,
+            "k_ranks": self.k_ranks,
+            "v_ranks": self.v_ranks,
+            "cache_values_per_token": sum(self.k_ranks) + sum(self.v_ranks),
+            "calibration_seconds": round(self.calibration_seconds, 2),
+            "factorization_seconds": round(self.factorization_seconds, 2),
+        }
+
+
+def _attn_modules(model):
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def prepare_calibration(
+    model,
+    tokenizer=None,
+    calib: str = "generated",
+    num_samples: int = 256,
+    seq_len: int = 32,
+    with_output_grads: bool = True,
+    seed: int = 0,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> KvCalibration:
+    """Builds the calibration set from `calib` and collects its statistics on the original model.
+
+    Args:
+        calib (`str`, *optional*, defaults to `"generated"`): `"generated"` (sampled from the model itself), a text
+            file path, or `hf:<dataset>[:<config>]`.
+        num_samples, seq_len (`int`): calibration windows × tokens (spec defaults 256 × 32).
+        with_output_grads (`bool`, *optional*, defaults to `True`): also collect loss-gradient moments (needed by the
+            default method `care`).
+    """
+    from .calibration import generate_calibration_ids, load_calibration_text, tokenize_calibration_text
+
+    if tokenizer is None and calib is not None:
+        raise ValueError("a tokenizer is needed to build calibration data")
+    mask = None
+    if calib == "generated":
+        ids, mask = generate_calibration_ids(model, tokenizer, num_samples, seq_len, seed=seed, progress=progress)
+    else:
+        ids = tokenize_calibration_text(tokenizer, load_calibration_text(calib), num_samples, seq_len)
+    calibration = collect_kv_calibration(model, ids, mask, batch_size, with_output_grads, progress)
+    calibration.meta.update(source=calib, num_samples=num_samples, seq_len=seq_len)
+    return calibration
+
+
+def run_care_conversion(
+    model,
+    tokenizer=None,
+    config: CareConversionConfig | None = None,
+    calibration: KvCalibration | None = None,
+    progress: bool = True,
+    **calib_kwargs,
+) -> CareResult:
+    """Converts `model` with CARE; see [`convert_care`] for the arguments. Returns a [`CareResult`]."""
+    config = config or CareConversionConfig()
+    model_family(model)
+    start = time.perf_counter()
+    if calibration is None and config.method != "svd":
+        calibration = prepare_calibration(
+            model, tokenizer, with_output_grads=config.method == "care", progress=progress, **calib_kwargs
+        )
+    calibration_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    factors = factorize_kv(model, calibration, config.method, config)
+    k_ranks, v_ranks = allocate_ranks(factors, config.kv_keep, config.method, config.rank_floor_frac)
+    care_model = build_care_model(model, factors, k_ranks, v_ranks, config.absorb_value)
+    return CareResult(
+        model=care_model, k_ranks=k_ranks, v_ranks=v_ranks, method=config.method, kv_keep=config.kv_keep,
+        calibration_seconds=calibration_seconds, factorization_seconds=time.perf_counter() - start,
+        calibration=calibration,
+    )
+
+
+def convert_care(
+    model,
+    tokenizer=None,
+    kv_keep: float = 0.5,
+    method: str = "care",
+    calibration: KvCalibration | None = None,
+    progress: bool = True,
+    **kwargs,
+):
+    """Converts a GQA causal LM (Llama, Mistral, Qwen2, Qwen3) into a CARE MLA model that caches K/V latents.
+
+    Args:
+        model (`PreTrainedModel`): the original model (left unchanged).
+        tokenizer (`PreTrainedTokenizer`, *optional*): needed unless `calibration` is given or `method="svd"`.
+        kv_keep (`float`, *optional*, defaults to 0.5): fraction of the K+V cache width kept, in (0, 1].
+        method (`str`, *optional*, defaults to `"care"`): one of `care`, `care-u`, `care-e-raw`, `care-e-rel`,
+            `svd`, `asvd`.
+        calibration ([`KvCalibration`], *optional*): reuse statistics from an earlier run (any method but `care`
+            can use one collected without gradients).
+        progress (`bool`, *optional*, defaults to `True`): show progress bars.
+        kwargs: [`CareConversionConfig`] fields (`alpha`, `lam_frac`, `absorb_value`, ...) and
+            [`prepare_calibration`] arguments (`calib`, `num_samples`, `seq_len`, `seed`, `batch_size`).
+
+    Returns:
+        The converted `Care*ForCausalLM` (eval mode). Its config carries `care_k_ranks` / `care_v_ranks`.
+
+    Example:
+        ```python
+        >>> from hf_accel import load_model_and_tokenizer
+        >>> from hf_accel.compress.care import convert_care
+        >>> model, tokenizer = load_model_and_tokenizer("smollm2-135m")
+        >>> care_model = convert_care(model, tokenizer, kv_keep=0.5)
+        ```
+    """
+    config_fields = set(CareConversionConfig.__dataclass_fields__)
+    config = CareConversionConfig(
+        kv_keep=kv_keep, method=method, **{k: v for k, v in kwargs.items() if k in config_fields}
+    )
+    calib_kwargs = {k: v for k, v in kwargs.items() if k not in config_fields}
+    return run_care_conversion(model, tokenizer, config, calibration, progress, **calib_kwargs).model
+
+
+def kv_cache_bytes_per_token(model, dtype_bytes: int | None = None) -> int:
+    """Analytic K/V cache bytes per token of a model (all layers): latent ranks for CARE, `2·g·d` otherwise."""
+    config = model.config
+    dtype_bytes = dtype_bytes or next(model.parameters()).element_size()
+    if getattr(config, "care_k_ranks", None) is not None:
+        return (sum(config.care_k_ranks) + sum(config.care_v_ranks)) * dtype_bytes
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes

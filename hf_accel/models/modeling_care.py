@@ -1,0 +1,213 @@
+"""CARE-converted causal LMs: multi-head latent attention that caches low-rank K/V latents.
+
+Each layer's `k_proj`/`v_proj` becomes a down-projection to a latent (`k_down: D → r_K`, `v_down: D → r_V`) and an
+up-projection back to the GQA width (`k_up`, `v_up: r → g·d`). Only the latents are cached, DeepSeek-V3 style: the key
+latent is stored as a one-head `keys` entry `[B, 1, S, r_K]` and the value latent as a one-head `values` entry
+`[B, 1, S, r_V]` of an ordinary cache layer, so `generate`, batching, beam reordering and sequence-axis crop/gather
+work unchanged, with `r_K + r_V` numbers per token per layer. Keys are rebuilt from the latent, k-normed (Qwen3), and
+then RoPE'd at their positions (spec A.4 Stage 5: RoPE is applied to the reconstructed keys). The value
+up-projection can be folded into `o_proj` (`care_absorb_value`).
+
+Positions of cached keys: cached tokens are contiguous and end right before the first new token, so a cached token
+at index `j` of `past_len` has position `position_ids[:, 0] − past_len + j`; new tokens use `position_ids` as given
+(tree verification with explicit positions works). This file is copied into converted checkpoints and imports only
+from torch and transformers.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+from transformers.models.mistral.modeling_mistral import MistralAttention, MistralForCausalLM, MistralRotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2ForCausalLM, Qwen2RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3RotaryEmbedding
+
+from .configuration_care import CareLlamaConfig, CareMistralConfig, CareQwen2Config, CareQwen3Config
+
+
+def _key_positions(position_ids: torch.Tensor | None, past_len: int, q_len: int, device) -> torch.Tensor:
+    """Positions of all keys `[B or 1, past_len + q_len]`: the cache is contiguous up to the first new token."""
+    if position_ids is None:
+        return torch.arange(past_len + q_len, device=device)[None]
+    past = position_ids[:, :1] - past_len + torch.arange(past_len, device=device)[None]  # [B, past_len]
+    return torch.cat([past, position_ids], dim=-1)
+
+
+class CareAttentionMixin:
+    """Latent K/V for a family's attention class; put it first in the bases (`class X(CareAttentionMixin, Base)`)."""
+
+    rotary_class: type = LlamaRotaryEmbedding
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        rank_k, rank_v = config.care_k_ranks[layer_idx], config.care_v_ranks[layer_idx]
+        hidden, width = self.k_proj.in_features, self.k_proj.out_features
+        kv_bias = self.k_proj.bias is not None
+        # diff with LlamaAttention: k_proj / v_proj → latent down- and up-projections
+        del self.k_proj, self.v_proj
+        self.k_down = nn.Linear(hidden, rank_k, bias=False)
+        self.k_up = nn.Linear(rank_k, width, bias=kv_bias)
+        self.v_down = nn.Linear(hidden, rank_v, bias=False)
+        self.absorb_value = bool(config.care_absorb_value)
+        if self.absorb_value:
+            # o_proj reads the value latent of every query head: [B, S, n_h·r_V] → [B, S, D]
+            o_bias = self.o_proj.bias is not None or kv_bias
+            self.o_proj = nn.Linear(config.num_attention_heads * rank_v, hidden, bias=o_bias)
+        else:
+            self.v_up = nn.Linear(rank_v, width, bias=kv_bias)
+        # Keys are RoPE'd after reconstruction, at cached positions the caller's cos/sin do not cover.
+        self.rotary_emb = self.rotary_class(config=config)
+
+    def _keys_from_latent(self, latent_k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # latent_k: [B, 1, T, r_K] → keys [B, g, T, d]
+        bsz, _, total, _ = latent_k.shape
+        keys = self.k_up(latent_k[:, 0]).view(bsz, total, -1, self.head_dim)  # [B, T, g, d]
+        if hasattr(self, "k_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            keys = self.k_norm(keys)
+        keys = keys.transpose(1, 2)  # [B, g, T, d]
+        cos, sin = self.rotary_emb(keys, positions)  # [B or 1, T, d]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return keys * cos + rotate_half(keys) * sin
+
+    def _values_from_latent(self, latent_v: torch.Tensor) -> torch.Tensor:
+        # latent_v: [B, 1, T, r_V] → values [B, g, T, d], or the latent itself broadcast to g heads [B, g, T, r_V]
+        n_kv = self.config.num_key_value_heads
+        if self.absorb_value:
+            return latent_v.expand(-1, n_kv, -1, -1)
+        bsz, _, total, _ = latent_v.shape
+        return self.v_up(latent_v[:, 0]).view(bsz, total, n_kv, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        position_ids: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            query_states = self.q_norm(query_states)
+        query_states = query_states.transpose(1, 2)  # [B, n_h, S, d]
+        cos, sin = position_embeddings
+        query_states = query_states * cos.unsqueeze(1) + rotate_half(query_states) * sin.unsqueeze(1)
+
+        # diff with LlamaAttention: the cache stores the latents, one "head" each: [B, 1, S, r_K] and [B, 1, S, r_V]
+        latent_k = self.k_down(hidden_states).unsqueeze(1)
+        latent_v = self.v_down(hidden_states).unsqueeze(1)
+        if past_key_values is not None:
+            latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
+        q_len = input_shape[-1]
+        positions = _key_positions(position_ids, latent_k.shape[-2] - q_len, q_len, hidden_states.device)
+        key_states = self._keys_from_latent(latent_k, positions)
+        value_states = self._values_from_latent(latent_v)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self._care_sliding_window(),
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+    def _care_sliding_window(self):
+        if hasattr(self, "sliding_window"):  # Qwen2 / Qwen3: per layer type
+            return self.sliding_window
+        return getattr(self.config, "sliding_window", None)  # Mistral: global; Llama: none
+
+
+class CareLlamaAttention(CareAttentionMixin, LlamaAttention):
+    rotary_class = LlamaRotaryEmbedding
+
+
+class CareMistralAttention(CareAttentionMixin, MistralAttention):
+    rotary_class = MistralRotaryEmbedding
+
+
+class CareQwen2Attention(CareAttentionMixin, Qwen2Attention):
+    rotary_class = Qwen2RotaryEmbedding
+
+
+class CareQwen3Attention(CareAttentionMixin, Qwen3Attention):
+    rotary_class = Qwen3RotaryEmbedding
+
+
+def _use_care_attention(model, attention_class) -> None:
+    for idx, layer in enumerate(model.model.layers):
+        layer.self_attn = attention_class(model.config, idx)
+
+
+class CareLlamaForCausalLM(LlamaForCausalLM):
+    config_class = CareLlamaConfig
+
+    def __init__(self, config: CareLlamaConfig):
+        super().__init__(config)
+        _use_care_attention(self, CareLlamaAttention)  # diff with LlamaForCausalLM
+        self.post_init()
+
+
+class CareMistralForCausalLM(MistralForCausalLM):
+    config_class = CareMistralConfig
+
+    def __init__(self, config: CareMistralConfig):
+        super().__init__(config)
+        _use_care_attention(self, CareMistralAttention)  # diff with MistralForCausalLM
+        self.post_init()
+
+
+class CareQwen2ForCausalLM(Qwen2ForCausalLM):
+    config_class = CareQwen2Config
+
+    def __init__(self, config: CareQwen2Config):
+        super().__init__(config)
+        _use_care_attention(self, CareQwen2Attention)  # diff with Qwen2ForCausalLM
+        self.post_init()
+
+
+class CareQwen3ForCausalLM(Qwen3ForCausalLM):
+    config_class = CareQwen3Config
+
+    def __init__(self, config: CareQwen3Config):
+        super().__init__(config)
+        _use_care_attention(self, CareQwen3Attention)  # diff with Qwen3ForCausalLM
+        self.post_init()
+
+
+def cache_bytes_per_token(past_key_values) -> float:
+    """Bytes per cached token of a cache, measured from its tensors (summed over layers, per sequence)."""
+    total, tokens = 0, None
+    for layer in past_key_values.layers:
+        for tensor in (layer.keys, layer.values):
+            if tensor is None or not torch.is_tensor(tensor) or tensor.numel() == 0:
+                continue
+            total += tensor.numel() * tensor.element_size()
+            tokens = tensor.shape[0] * tensor.shape[-2]
+    return total / tokens if tokens else 0.0
+
+
+__all__ = [
+    "CareLlamaForCausalLM",
+    "CareMistralForCausalLM",
+    "CareQwen2ForCausalLM",
+    "CareQwen3ForCausalLM",
+    "cache_bytes_per_token",
+]
