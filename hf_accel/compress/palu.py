@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .calibration import collect_kv_calibration, tokenize_calibration_text
+from .calibration import collect_kv_calibration, load_calibration_text, tokenize_calibration_text
 from .factorize import factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
 
@@ -489,15 +489,25 @@ def add_palu_parser(convert_commands) -> None:
     parser.add_argument("--ranks", choices=RANK_METHODS, default="fisher")
     parser.add_argument("--quant-bits", type=int, choices=QUANT_BITS, default=0)
     parser.add_argument("--no-hadamard", action="store_true", help="do not fold the Walsh–Hadamard rotation")
-    parser.add_argument("--calib", required=True, help="calibration text file")
+    parser.add_argument("--calib", required=True, help="calibration text file, or hf:<dataset>[:<config>]")
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--calib-seq-len", type=int, default=256)
     parser.add_argument("--fisher-samples", type=int, default=16)
     parser.add_argument("--rank-multiple", type=int, default=8)
+    parser.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
     parser.add_argument("--out", required=True, help="output directory (written atomically)")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=_run_convert_palu)
+
+
+def _card_base_model(name: str) -> str:
+    from ..hub import hub_base_model
+
+    try:
+        return hub_base_model(name)
+    except ValueError:
+        raise ValueError(f"the model card needs the Hub id of the original model, not {name!r}; pass --base-model ORG/NAME")
 
 
 def _run_convert_palu(args) -> int:
@@ -510,8 +520,9 @@ def _run_convert_palu(args) -> int:
         calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,
     )
-    if not Path(args.calib).is_file():
+    if not args.calib.startswith("hf:") and not Path(args.calib).is_file():
         raise FileNotFoundError(f"calibration text not found: {args.calib}")
+    base_model = _card_base_model(args.base_model or args.model)
     out = Path(args.out)
     if out.exists() and not args.overwrite and any(out.iterdir()):
         raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
@@ -519,11 +530,11 @@ def _run_convert_palu(args) -> int:
     palu, info = convert_palu(
         model, tokenizer, kv_keep=args.kv_keep, group_size=args.group_size, ranks=args.ranks,
         quant_bits=args.quant_bits, hadamard=not args.no_hadamard,
-        calibration_text=Path(args.calib).read_text(encoding="utf-8"), progress=not args.json,
+        calibration_text=load_calibration_text(args.calib), progress=not args.json,
         calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,
     )
-    save_palu(palu, tokenizer, out, info, base_model=args.model, overwrite=args.overwrite)
+    save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
     summary = {
         "model": args.model, "out": str(out), "kv_keep": args.kv_keep,
         "kv_keep_achieved": info["kv_keep_achieved"], "group_size": args.group_size, "ranks": args.ranks,
