@@ -274,6 +274,8 @@ def convert_palu(
     quant_bits: int = 0,
     hadamard: bool = True,
     calibration_text: str | None = None,
+    calibration=None,
+    fisher_scores: list | None = None,
     progress: bool = True,
     **options,
 ):
@@ -289,6 +291,8 @@ def convert_palu(
         quant_bits (`int`, *optional*, defaults to 0): 0, or 2/3/4-bit per-token quantized latents.
         hadamard (`bool`, *optional*, defaults to `True`): fold a Walsh–Hadamard rotation into the factors.
         calibration_text (`str`): text for the whitening moments (and the Fisher scores).
+        calibration ([`KvCalibration`], *optional*): moments from an earlier run (reused, not recollected).
+        fisher_scores (`list[tuple[float, float]]`, *optional*): per-layer Fisher scores from an earlier run.
         progress (`bool`, *optional*, defaults to `True`): progress bars.
         options: other fields of [`PaluConversionConfig`] (`rank_multiple`, `calib_samples`, `calib_seq_len`,
             `fisher_samples`, `alpha`, `quant_group_size`, `residual_length`, `kernel_backend`, ...).
@@ -316,13 +320,18 @@ def convert_palu(
     if conversion.rank_multiple > width:
         raise ValueError(f"rank_multiple {conversion.rank_multiple} exceeds the group width {width}")
     start = time.perf_counter()
-    input_ids = _read_calibration(model, tokenizer, calibration_text, conversion)
-    calibration = collect_kv_calibration(model, input_ids, progress=progress)
+    input_ids = None
+    if calibration is None or (conversion.ranks == "fisher" and fisher_scores is None):
+        input_ids = _read_calibration(model, tokenizer, calibration_text, conversion)
+    if calibration is None:
+        calibration = collect_kv_calibration(model, input_ids, progress=progress)
     timings = {"calibration_s": time.perf_counter() - start}
     scores = None
     if conversion.ranks == "fisher":
         start = time.perf_counter()
-        scores = collect_fisher_scores(model, input_ids[: conversion.fisher_samples], progress=progress)
+        scores = fisher_scores
+        if scores is None:
+            scores = collect_fisher_scores(model, input_ids[: conversion.fisher_samples], progress=progress)
         k_ranks, v_ranks = fisher_group_ranks(scores, width, num_groups, kv_keep, conversion.rank_multiple)
         timings["fisher_s"] = time.perf_counter() - start
     else:
