@@ -403,27 +403,27 @@ def _eager_loader(name):
     return lambda: globals()[name]
 
 
-def _triton_loader(name):
-    def load():
-        try:  # the Triton kernels stay in hf_accel (optional dependency)
-            from hf_accel.kernels import triton_palu
-        except ImportError as err:
-            raise ImportError("The 'triton' Palu kernels need `pip install 'hf-accel[triton]'`; or use 'eager'.") from err
-        return getattr(triton_palu, name)
-
-    return load
+def _missing_triton(*args, **kwargs):
+    raise ImportError("The 'triton' Palu kernels need `pip install 'hf-accel[triton]'`; or use the 'eager' backend.")
 
 
 for _name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
     register_kernel(_name, "eager", _eager_loader(_name))
-    register_kernel(_name, "triton", _triton_loader(_name))
+    register_kernel(_name, "triton", lambda: _missing_triton)
+
+try:  # with hf_accel installed, its kernels (Triton included) and cache classes replace the copies above
+    from hf_accel.kernels import get_kernel  # noqa: F811
+    from hf_accel.kernels.cache import PaluQuantizedCache, PaluQuantizedLayer  # noqa: F811
+except ImportError:
+    pass
 '''
 
 
 def write_palu_kernels_file(path: str | Path) -> Path:
     """
     Write a self-contained `palu_kernels.py` for a checkpoint: the sources of `hf_accel/kernels/{quant, reference,
-    registry, cache}.py` in one flat module (their relative imports dropped) plus the eager/triton registration.
+    registry, cache}.py` in one flat module (their relative imports dropped) plus the eager registration. Where
+    hf_accel is installed, the file uses hf_accel's own kernels and cache instead (and so its Triton backend).
     """
     kernels_dir = Path(__file__).resolve().parents[1] / "kernels"
     parts = ['"""Palu kernels and quantized cache, copied from hf_accel.kernels by the Palu converter."""\n']

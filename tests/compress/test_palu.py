@@ -151,3 +151,19 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
     assert {"config.json", "model.safetensors", "modeling_palu.py", "configuration_palu.py", "palu_kernels.py",
             "README.md", "palu_ranks.json"} <= names
     assert "2 group(s) of 2 consecutive KV heads" in (out / "README.md").read_text()
+
+
+def test_default_model_full_rank_and_3bit(default_model, shakespeare_text):
+    """SmolLM2-135M (30 layers, 3 KV heads): gs 3 at full rank is exact; gs 1 at 0.5 with 3 bits decodes."""
+    model, tokenizer = default_model
+    calib = dict(calibration_text=shakespeare_text[:200_000], calib_samples=4, calib_seq_len=64, progress=False)
+    ids = tokenizer("To be, or not to be, that is the question:", return_tensors="pt")["input_ids"]
+    full, _ = convert_palu(model, tokenizer, kv_keep=1.0, group_size=3, ranks="uniform", **calib)
+    with torch.no_grad():
+        torch.testing.assert_close(full(ids).logits, model(ids).logits, atol=2e-3, rtol=1e-3)
+    low, info = convert_palu(model, tokenizer, kv_keep=0.5, group_size=1, ranks="uniform", quant_bits=3, **calib)
+    assert "3 group(s) of 1 consecutive KV heads" in info["grouping"]
+    out = low.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert cache.get_cache_bytes() == cache.get_seq_length() * info["cache_bytes_per_token"]
+    assert info["cache_bytes_per_token"] <= info["base_cache_bytes_per_token"] / 8

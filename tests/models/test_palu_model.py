@@ -1,5 +1,6 @@
 """The Palu trust_remote_code model (issue 4): generate with batch > 1, cache rollback, cache bytes, fresh-process load."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,6 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from hf_accel.kernels import is_triton_available
 from hf_accel.compress.palu import convert_palu, expected_cache_bytes_per_token, save_palu
 from hf_accel.kernels.cache import PaluQuantizedCache
 from hf_accel.kernels.quant import compute_bytes_per_token
@@ -16,6 +18,9 @@ from hf_accel.models.modeling_palu import cache_bytes, make_palu_cache
 from tests.compress.test_palu import CALIB_TEXT, FAST, TINY
 from tests.conftest import make_tiny_llama
 from tests.tiny_checkpoints import make_char_tokenizer
+
+
+require_triton = pytest.mark.skipif(not is_triton_available(), reason="needs the optional `triton` package")
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +123,10 @@ def test_cache_bytes_per_token_match_ranks_and_bits(palu):
 
 RELOAD = """
 import sys, torch
-sys.modules["hf_accel"] = None  # the checkpoint must not need hf_accel
+if {block!r}:
+    sys.modules["hf_accel"] = None  # the checkpoint must not need hf_accel
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained({path!r}, trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained({path!r}, trust_remote_code=True, palu_kernel_backend={backend!r})
 ids = torch.load({ids!r})
 with torch.no_grad():
     torch.save(model(input_ids=ids).logits, {out!r})
@@ -129,20 +135,26 @@ print(type(model).__name__)
 """
 
 
-def test_fresh_process_load_gives_same_logits(palu, tokenizer, tmp_path):
+@pytest.mark.parametrize(
+    "block_hf_accel, backend",
+    [(True, "eager"), (False, "eager"), pytest.param(False, "triton", marks=require_triton)],
+    ids=["without-hf_accel", "with-hf_accel", "triton"],
+)
+def test_fresh_process_load_gives_same_logits(palu, tokenizer, tmp_path, block_hf_accel, backend):
     info = {"settings": {"kv_keep": 0.5, "group_size": 2, "ranks": "fisher", "quant_bits": palu.config.palu_quant_bits,
                          "hadamard": True}, "kv_keep_achieved": 0.5, "grouping": "G-LRD", "cache_bytes_per_token": 1,
             "base_cache_bytes_per_token": 2}
     path = save_palu(palu, tokenizer, tmp_path / "palu", info, base_model="org/tiny")
     ids = _ids(2, 11)
     torch.save(ids, tmp_path / "ids.pt")
-    script = RELOAD.format(path=str(path), ids=str(tmp_path / "ids.pt"), out=str(tmp_path / "logits.pt"),
-                           gen=str(tmp_path / "gen.pt"))
+    script = RELOAD.format(block=block_hf_accel, path=str(path), backend=backend, ids=str(tmp_path / "ids.pt"),
+                           out=str(tmp_path / "logits.pt"), gen=str(tmp_path / "gen.pt"))
+    env = dict(os.environ, TRITON_INTERPRET="1") if backend == "triton" and not torch.cuda.is_available() else None
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+                          cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "PaluLlamaForCausalLM"
     with torch.no_grad():
-        torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), palu(input_ids=ids).logits)
+        torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), palu(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
         expected = palu.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(torch.load(tmp_path / "gen.pt"), expected)
