@@ -32,8 +32,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-keeps", type=float, nargs="+", default=list(d.kv_keeps))
     parser.add_argument("--bits", type=int, nargs="*", default=list(d.bits))
     parser.add_argument("--no-hadamard-bits", type=int, nargs="*", default=list(d.no_hadamard_bits))
-    for name in ("calib_samples", "calib_seq_len", "fisher_samples", "rank_multiple", "eval_tokens", "eval_seq_len",
-                 "generated_samples", "generated_seq_len", "seed"):
+    for name in (
+        "calib_samples",
+        "calib_seq_len",
+        "fisher_samples",
+        "rank_multiple",
+        "eval_tokens",
+        "eval_seq_len",
+        "generated_samples",
+        "generated_seq_len",
+        "seed",
+    ):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     return parser.parse_args(argv)
 
@@ -43,11 +52,20 @@ def main(argv=None) -> int:
     text = Path(args.text).read_text(encoding="utf-8")
     split = int(0.9 * len(text))
     config = PaluBenchConfig(
-        group_sizes=tuple(args.group_sizes), rank_methods=tuple(args.ranks), kv_keeps=tuple(args.kv_keeps),
-        bits=tuple(args.bits), no_hadamard_bits=tuple(args.no_hadamard_bits), calib_samples=args.calib_samples,
-        calib_seq_len=args.calib_seq_len, fisher_samples=args.fisher_samples, rank_multiple=args.rank_multiple,
-        eval_tokens=args.eval_tokens, eval_seq_len=args.eval_seq_len, generated_samples=args.generated_samples,
-        generated_seq_len=args.generated_seq_len, seed=args.seed,
+        group_sizes=tuple(args.group_sizes),
+        rank_methods=tuple(args.ranks),
+        kv_keeps=tuple(args.kv_keeps),
+        bits=tuple(args.bits),
+        no_hadamard_bits=tuple(args.no_hadamard_bits),
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        fisher_samples=args.fisher_samples,
+        rank_multiple=args.rank_multiple,
+        eval_tokens=args.eval_tokens,
+        eval_seq_len=args.eval_seq_len,
+        generated_samples=args.generated_samples,
+        generated_seq_len=args.generated_seq_len,
+        seed=args.seed,
     )
     model, tokenizer = load_model_and_tokenizer(args.model)
     report = run_palu_quality_benchmark(model, tokenizer, text[:split], text[split:], config, progress=not args.json)

@@ -78,11 +78,15 @@ def allocate_fisher_ranks(
     n = len(scores)
     units = [int(multiple)] * n if isinstance(multiple, int) else [int(m) for m in multiple]
     if n == 0 or len(caps) != n or len(units) != n:
-        raise ValueError(f"scores, caps and multiples must have the same non-zero length, got {n}, {len(caps)}, {len(units)}")
+        raise ValueError(
+            f"scores, caps and multiples must have the same non-zero length, got {n}, {len(caps)}, {len(units)}"
+        )
     if any(s < 0 or not math.isfinite(s) for s in scores):
         raise ValueError(f"Fisher scores must be finite and non-negative, got {list(scores)}")
     if any(u < 1 or c < u or c % u for c, u in zip(caps, units)):
-        raise ValueError(f"every cap must be a positive multiple of its rank multiple, got caps {list(caps)} and {units}")
+        raise ValueError(
+            f"every cap must be a positive multiple of its rank multiple, got caps {list(caps)} and {units}"
+        )
     # Work in units of each target's multiple: a unit of target t is worth units[t] ranks
     if len(set(units)) != 1:
         raise ValueError("targets with different rank multiples are not supported; give one multiple for all")

@@ -54,7 +54,9 @@ class PaluConversionConfig:
 
     def __post_init__(self):
         if not (isinstance(self.kv_keep, (int, float)) and 0.0 < self.kv_keep <= 1.0):
-            raise ValueError(f"kv_keep must be in (0, 1] (the fraction of the K+V cache to keep), got {self.kv_keep!r}")
+            raise ValueError(
+                f"kv_keep must be in (0, 1] (the fraction of the K+V cache to keep), got {self.kv_keep!r}"
+            )
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
         if self.ranks not in RANK_METHODS:
@@ -112,7 +114,7 @@ def fold_values_into_o_proj(
         `torch.Tensor` of shape `[D, num_heads · r_v]`, the new `o_proj.weight`: query head `h` reads KV head
         `j = h // (num_heads / num_key_value_heads)`, which is head `i = j % s` of group `g = j // s`.
     """
-    num_groups, rank, width = v_up.shape
+    width = v_up.shape[-1]
     group_size = width // head_dim
     per_kv = num_heads // num_key_value_heads
     blocks = []
@@ -170,8 +172,15 @@ def _check_model(model, group_size: int) -> None:
 
 
 def factorize_groups(
-    weight: torch.Tensor, moment: torch.Tensor | None, num_key_value_heads: int, head_dim: int, group_size: int,
-    rank: int, alpha: float = 0.05, lam_frac: float = 1e-2, scales=None,
+    weight: torch.Tensor,
+    moment: torch.Tensor | None,
+    num_key_value_heads: int,
+    head_dim: int,
+    group_size: int,
+    rank: int,
+    alpha: float = 0.05,
+    lam_frac: float = 1e-2,
+    scales=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
     Whitened SVD of every group of one projection, truncated to `rank` (float64).
@@ -204,9 +213,13 @@ def palu_config_from(model, group_size, k_ranks, v_ranks, conversion: PaluConver
     for key in ("model_type", "architectures", "auto_map", "transformers_version"):
         config_dict.pop(key, None)
     config_dict.update(
-        palu_group_size=group_size, palu_k_ranks=list(k_ranks), palu_v_ranks=list(v_ranks),
-        palu_quant_bits=conversion.quant_bits, palu_quant_group_size=conversion.quant_group_size,
-        palu_residual_length=conversion.residual_length, palu_hadamard=conversion.hadamard,
+        palu_group_size=group_size,
+        palu_k_ranks=list(k_ranks),
+        palu_v_ranks=list(v_ranks),
+        palu_quant_bits=conversion.quant_bits,
+        palu_quant_group_size=conversion.quant_group_size,
+        palu_residual_length=conversion.residual_length,
+        palu_hadamard=conversion.hadamard,
         palu_kernel_backend=conversion.kernel_backend,
     )
     config = PaluLlamaConfig.from_dict(config_dict)
@@ -341,7 +354,13 @@ def convert_palu(
     for idx, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         scales = symmetric_sqrt(shrink_moment(calibration.moments[idx], conversion.alpha, conversion.lam_frac))
-        common = dict(num_key_value_heads=n_kv, head_dim=head_dim, group_size=group_size, scales=scales, moment=None)
+        common = {
+            "num_key_value_heads": n_kv,
+            "head_dim": head_dim,
+            "group_size": group_size,
+            "scales": scales,
+            "moment": None,
+        }
         k_down, k_up = factorize_groups(attn.k_proj.weight.detach().T, rank=k_ranks[idx], **common)
         v_down, v_up = factorize_groups(attn.v_proj.weight.detach().T, rank=v_ranks[idx], **common)
         layer_factors.append((k_down, k_up, v_down, v_up))
@@ -385,7 +404,9 @@ def expected_cache_bytes_per_token(config, float_bytes: int = 2) -> float:
     for r_k, r_v in zip(config.palu_k_ranks, config.palu_v_ranks):
         for rank in (r_k, r_v):
             if config.palu_quant_bits:
-                total += num_groups * compute_bytes_per_token(rank, config.palu_quant_bits, config.palu_quant_group_size)
+                total += num_groups * compute_bytes_per_token(
+                    rank, config.palu_quant_bits, config.palu_quant_group_size
+                )
             else:
                 total += num_groups * rank * float_bytes
     return total
@@ -396,7 +417,7 @@ def expected_cache_bytes_per_token(config, float_bytes: int = 2) -> float:
 
 
 _KERNEL_SOURCES = ("quant.py", "reference.py", "registry.py", "cache.py")
-_KERNEL_REGISTRATION = '''
+_KERNEL_REGISTRATION = """
 
 # ---- registration (as hf_accel/kernels/__init__.py) ----
 def _eager_loader(name):
@@ -416,7 +437,7 @@ try:  # with hf_accel installed, its kernels (Triton included) and cache classes
     from hf_accel.kernels.cache import PaluQuantizedCache, PaluQuantizedLayer  # noqa: F811
 except ImportError:
     pass
-'''
+"""
 
 
 def write_palu_kernels_file(path: str | Path) -> Path:
@@ -432,15 +453,18 @@ def write_palu_kernels_file(path: str | Path) -> Path:
         if re.search(r"^\s*from \.\w* import \($", source, flags=re.MULTILINE):
             raise RuntimeError(f"hf_accel/kernels/{name} has a multi-line relative import; flatten it")
         # the names come from the modules above, now in the same file
-        source = re.sub(r"^(\s*)from \.(\w*) import .*$", r"\1pass  # (flattened: from .\2 import ...)", source,
-                        flags=re.MULTILINE)
+        source = re.sub(
+            r"^(\s*)from \.(\w*) import .*$", r"\1pass  # (flattened: from .\2 import ...)", source, flags=re.MULTILINE
+        )
         parts.append(f"\n# ---- from hf_accel/kernels/{name} ----\n{source}")
     path = Path(path)
     path.write_text("".join(parts) + _KERNEL_REGISTRATION, encoding="utf-8")
     return path
 
 
-def save_palu(palu_model, tokenizer, out_dir: str | Path, info: dict, base_model: str, overwrite: bool = False) -> Path:
+def save_palu(
+    palu_model, tokenizer, out_dir: str | Path, info: dict, base_model: str, overwrite: bool = False
+) -> Path:
     """
     Save a converted model as a Hub-ready directory, atomically (temporary directory, then rename).
 
@@ -468,7 +492,11 @@ def save_palu(palu_model, tokenizer, out_dir: str | Path, info: dict, base_model
         settings = {k: info["settings"][k] for k in ("kv_keep", "group_size", "ranks", "quant_bits", "hadamard")}
         settings.update(kv_keep_achieved=round(info["kv_keep_achieved"], 4), grouping=info["grouping"])
         save_artifact(
-            tmp, "converted-model", base_model, model=palu_model, tokenizer=tokenizer,
+            tmp,
+            "converted-model",
+            base_model,
+            model=palu_model,
+            tokenizer=tokenizer,
             description="Palu: grouped low-rank K/V projections; the cache stores per-group latents. "
             + info["grouping"],
             settings=settings,
@@ -516,7 +544,9 @@ def _card_base_model(name: str) -> str:
     try:
         return hub_base_model(name)
     except ValueError:
-        raise ValueError(f"the model card needs the Hub id of the original model, not {name!r}; pass --base-model ORG/NAME")
+        raise ValueError(
+            f"the model card needs the Hub id of the original model, not {name!r}; pass --base-model ORG/NAME"
+        )
 
 
 def _run_convert_palu(args) -> int:
@@ -525,8 +555,13 @@ def _run_convert_palu(args) -> int:
 
     # Validate everything cheap before loading the model
     PaluConversionConfig(
-        kv_keep=args.kv_keep, group_size=args.group_size, ranks=args.ranks, quant_bits=args.quant_bits,
-        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, fisher_samples=args.fisher_samples,
+        kv_keep=args.kv_keep,
+        group_size=args.group_size,
+        ranks=args.ranks,
+        quant_bits=args.quant_bits,
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,
     )
     if not args.calib.startswith("hf:") and not Path(args.calib).is_file():
@@ -537,19 +572,35 @@ def _run_convert_palu(args) -> int:
         raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
     model, tokenizer = load_model_and_tokenizer(args.model)
     palu, info = convert_palu(
-        model, tokenizer, kv_keep=args.kv_keep, group_size=args.group_size, ranks=args.ranks,
-        quant_bits=args.quant_bits, hadamard=not args.no_hadamard,
-        calibration_text=load_calibration_text(args.calib), progress=not args.json,
-        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, fisher_samples=args.fisher_samples,
+        model,
+        tokenizer,
+        kv_keep=args.kv_keep,
+        group_size=args.group_size,
+        ranks=args.ranks,
+        quant_bits=args.quant_bits,
+        hadamard=not args.no_hadamard,
+        calibration_text=load_calibration_text(args.calib),
+        progress=not args.json,
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,
     )
     save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
     summary = {
-        "model": args.model, "out": str(out), "kv_keep": args.kv_keep,
-        "kv_keep_achieved": info["kv_keep_achieved"], "group_size": args.group_size, "ranks": args.ranks,
-        "quant_bits": args.quant_bits, "hadamard": not args.no_hadamard, "k_ranks": info["k_ranks"],
-        "v_ranks": info["v_ranks"], "cache_bytes_per_token": info["cache_bytes_per_token"],
-        "base_cache_bytes_per_token": info["base_cache_bytes_per_token"], "timings": info["timings"],
+        "model": args.model,
+        "out": str(out),
+        "kv_keep": args.kv_keep,
+        "kv_keep_achieved": info["kv_keep_achieved"],
+        "group_size": args.group_size,
+        "ranks": args.ranks,
+        "quant_bits": args.quant_bits,
+        "hadamard": not args.no_hadamard,
+        "k_ranks": info["k_ranks"],
+        "v_ranks": info["v_ranks"],
+        "cache_bytes_per_token": info["cache_bytes_per_token"],
+        "base_cache_bytes_per_token": info["base_cache_bytes_per_token"],
+        "timings": info["timings"],
     }
     if args.json:
         print_json(summary)

@@ -10,7 +10,9 @@ float16 scales and zero-points whatever the model dtype.
 """
 
 import copy
+import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -47,8 +49,9 @@ def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4) -> fl
     for start in range(0, len(input_ids), batch_size):
         ids = input_ids[start : start + batch_size]
         logits = model(input_ids=ids, use_cache=False).logits.float()
-        total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(), ids[:, 1:].reshape(-1),
-                                 reduction="sum").item()
+        total += F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).double(), ids[:, 1:].reshape(-1), reduction="sum"
+        ).item()
         count += ids[:, 1:].numel()
     return math.exp(total / count)
 
@@ -72,8 +75,11 @@ def measure_cache_bytes_per_token(model, input_ids: torch.Tensor) -> float:
 
 def _evaluate(model, tokenizer, held_out: str, generated, config: PaluBenchConfig, probe_ids) -> dict:
     start = time.perf_counter()
-    row = {"ppl_text": compute_perplexity(model, tokenizer, held_out, seq_len=config.eval_seq_len,
-                                          max_tokens=config.eval_tokens, progress=False)["ppl"]}
+    row = {
+        "ppl_text": compute_perplexity(
+            model, tokenizer, held_out, seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, progress=False
+        )["ppl"]
+    }
     if generated is not None:
         row["ppl_generated"] = perplexity_on_ids(model, generated)
     row["cache_bytes_per_token"] = measure_cache_bytes_per_token(model, probe_ids)
@@ -81,8 +87,14 @@ def _evaluate(model, tokenizer, held_out: str, generated, config: PaluBenchConfi
     return row
 
 
-def run_palu_quality_benchmark(model, tokenizer, calibration_text: str, held_out_text: str,
-                               config: PaluBenchConfig | None = None, progress: bool = True) -> dict:
+def run_palu_quality_benchmark(
+    model,
+    tokenizer,
+    calibration_text: str,
+    held_out_text: str,
+    config: PaluBenchConfig | None = None,
+    progress: bool = True,
+) -> dict:
     """
     Convert and evaluate every configuration of `config`; returns `{"base": row, "rows": [row, ...], "settings"}`.
 
@@ -99,8 +111,9 @@ def run_palu_quality_benchmark(model, tokenizer, calibration_text: str, held_out
     config = config or PaluBenchConfig()
     timings = {}
     start = time.perf_counter()
-    ids = tokenize_calibration_text(tokenizer, calibration_text, config.calib_samples, config.calib_seq_len,
-                                    seed=config.seed)
+    ids = tokenize_calibration_text(
+        tokenizer, calibration_text, config.calib_samples, config.calib_seq_len, seed=config.seed
+    )
     calibration = collect_kv_calibration(model, ids, progress=progress)
     timings["calibration_s"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
@@ -110,11 +123,19 @@ def run_palu_quality_benchmark(model, tokenizer, calibration_text: str, held_out
     if config.generated_samples:
         start = time.perf_counter()
         # a seed unlike the calibration's: held-out samples of the model's own text
-        generated, _ = generate_calibration_ids(model, tokenizer, config.generated_samples, config.generated_seq_len,
-                                                seed=config.seed + 1000, progress=progress)
+        generated, _ = generate_calibration_ids(
+            model,
+            tokenizer,
+            config.generated_samples,
+            config.generated_seq_len,
+            seed=config.seed + 1000,
+            progress=progress,
+        )
         timings["generation_s"] = round(time.perf_counter() - start, 1)
     probe_ids = ids[:2, :64]
     base = _evaluate(model, tokenizer, held_out_text, generated, config, probe_ids)
+    if progress:
+        tqdm.write(json.dumps({"base": base, **timings}), file=sys.stderr)
     rows = []
     grid = [(g, r, k) for g in config.group_sizes for r in config.rank_methods for k in config.kv_keeps]
     for group_size, ranks, kv_keep in tqdm(grid, desc="palu configs", disable=not progress):
@@ -123,15 +144,31 @@ def run_palu_quality_benchmark(model, tokenizer, calibration_text: str, held_out
             if not bits_list:
                 continue
             palu, info = convert_palu(
-                model, tokenizer, kv_keep=kv_keep, group_size=group_size, ranks=ranks, hadamard=hadamard,
-                calibration=calibration, fisher_scores=fisher, rank_multiple=config.rank_multiple, progress=False,
+                model,
+                tokenizer,
+                kv_keep=kv_keep,
+                group_size=group_size,
+                ranks=ranks,
+                hadamard=hadamard,
+                calibration=calibration,
+                fisher_scores=fisher,
+                rank_multiple=config.rank_multiple,
+                progress=False,
             )
             for bits in bits_list:
                 palu.config.palu_quant_bits = bits  # a runtime setting: same factors, other cache
-                row = {"group_size": group_size, "ranks": ranks, "kv_keep": kv_keep,
-                       "kv_keep_achieved": round(info["kv_keep_achieved"], 4), "hadamard": hadamard, "bits": bits}
+                row = {
+                    "group_size": group_size,
+                    "ranks": ranks,
+                    "kv_keep": kv_keep,
+                    "kv_keep_achieved": round(info["kv_keep_achieved"], 4),
+                    "hadamard": hadamard,
+                    "bits": bits,
+                }
                 row.update(_evaluate(palu, tokenizer, held_out_text, generated, config, probe_ids))
                 rows.append(row)
+                if progress:
+                    tqdm.write(json.dumps(row), file=sys.stderr)
     settings = {k: v for k, v in vars(config).items() if k != "extra"}
     return {"base": base, "rows": rows, "timings": timings, "settings": settings}
 
@@ -143,7 +180,7 @@ def format_palu_table(report: dict) -> str:
     head = "| gs | ranks | kv-keep | WHT | bits | ppl text | ×orig |" + (" ppl generated | ×orig |" if has_gen else "")
     head += " cache B/token | ×fp16 |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    fmt = lambda r: (  # noqa: E731
+    fmt = lambda r: (
         f" {r['ppl_text']:.2f} | {r['ppl_text'] / base['ppl_text']:.3f} |"
         + (f" {r['ppl_generated']:.2f} | {r['ppl_generated'] / base['ppl_generated']:.3f} |" if has_gen else "")
         + f" {r['cache_bytes_per_token']:.0f} | {r['cache_bytes_per_token'] / base['cache_bytes_per_token']:.4f} |"

@@ -61,7 +61,9 @@ def _validate_palu(config) -> None:
     if config.palu_quant_bits not in (0, 2, 3, 4):
         raise ValueError(f"palu_quant_bits must be 0, 2, 3 or 4, got {config.palu_quant_bits!r}")
     if config.palu_kernel_backend not in ("eager", "triton", "auto"):
-        raise ValueError(f"palu_kernel_backend must be 'eager', 'triton' or 'auto', got {config.palu_kernel_backend!r}")
+        raise ValueError(
+            f"palu_kernel_backend must be 'eager', 'triton' or 'auto', got {config.palu_kernel_backend!r}"
+        )
 
 
 __all__ = ["PaluLlamaConfig"]

@@ -20,7 +20,12 @@ give). This file is copied into converted checkpoints and imports only from torc
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM, LlamaRotaryEmbedding, rotate_half
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaRotaryEmbedding,
+    rotate_half,
+)
 
 from .configuration_palu import PaluLlamaConfig
 from .palu_kernels import PaluQuantizedCache, PaluQuantizedLayer, get_kernel
@@ -39,7 +44,10 @@ def _masked_softmax(scores: torch.Tensor, attention_mask, past_len: int) -> torc
     q_len, total = scores.shape[-2:]
     if attention_mask is None:
         if q_len > 1:  # causal: query i (position past_len + i) sees keys 0..past_len + i
-            keep = torch.arange(total, device=scores.device)[None] <= past_len + torch.arange(q_len, device=scores.device)[:, None]
+            keep = (
+                torch.arange(total, device=scores.device)[None]
+                <= past_len + torch.arange(q_len, device=scores.device)[:, None]
+            )
             scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     elif attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask[..., :total], torch.finfo(scores.dtype).min)
@@ -156,7 +164,11 @@ class PaluLlamaForCausalLM(LlamaForCausalLM):
         # diff with LlamaForCausalLM: a quantized Palu model decodes into a PaluQuantizedCache
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("past_key_values")
-        if self.config.palu_quant_bits and type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False):
+        if (
+            self.config.palu_quant_bits
+            and type(cache) is DynamicCache
+            and not getattr(cache, "_is_user_defined", False)
+        ):
             model_kwargs["past_key_values"] = make_palu_cache(self.config)
 
 

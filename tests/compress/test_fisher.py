@@ -33,7 +33,9 @@ def test_random_cases_sum_to_budget_and_respect_caps():
         assert all(unit <= r <= c and r % unit == 0 for r, c in zip(ranks, caps))
         # without binding caps or floors, each rank is within one unit of its proportional share
         total = sum(scores)
-        if total > 0 and all(budget * s / total <= c - unit and budget * s / total >= unit for s, c in zip(scores, caps)):
+        if total > 0 and all(
+            budget * s / total <= c - unit and budget * s / total >= unit for s, c in zip(scores, caps)
+        ):
             assert all(abs(r - budget * s / total) < unit + 1e-9 for r, s in zip(ranks, scores))
 
 

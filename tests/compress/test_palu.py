@@ -1,22 +1,15 @@
 """Palu conversion (spec 002, issue 4): G-LRD layout, full-rank equivalence, Hadamard folding, ranks, CLI errors."""
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from hf_accel.compress.palu import (
     convert_palu,
-    expected_cache_bytes_per_token,
     fisher_group_ranks,
     fold_values_into_o_proj,
     group_kv_weight,
-    save_palu,
     uniform_group_ranks,
 )
 from tests.conftest import make_tiny_llama
@@ -24,8 +17,8 @@ from tests.tiny_checkpoints import make_char_tokenizer
 
 
 CALIB_TEXT = " ".join(f"the {w} of line {i} is {w[::-1]}." for i in range(600) for w in ("cat", "house", "river"))
-TINY = dict(vocab_size=128, num_attention_heads=8, num_key_value_heads=4)  # 2 query heads per KV head
-FAST = dict(calib_samples=8, calib_seq_len=64, fisher_samples=3, rank_multiple=1, progress=False)
+TINY = {"vocab_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4}  # 2 query heads per KV head
+FAST = {"calib_samples": 8, "calib_seq_len": 64, "fisher_samples": 3, "rank_multiple": 1, "progress": False}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +49,10 @@ def test_group_kv_weight_layout():
 
 def test_fold_values_into_o_proj_matches_per_head_attention():
     num_heads, n_kv, d, r, hidden = 8, 4, 3, 2, 5
-    o_weight, v_up = torch.randn(hidden, num_heads * d, dtype=torch.float64), torch.randn(2, r, 2 * d, dtype=torch.float64)
+    o_weight, v_up = (
+        torch.randn(hidden, num_heads * d, dtype=torch.float64),
+        torch.randn(2, r, 2 * d, dtype=torch.float64),
+    )
     latents = torch.randn(2, r, dtype=torch.float64)  # attention output per group, p · H^v
     folded = fold_values_into_o_proj(o_weight, v_up, num_heads, n_kv, d)
     # reference: rebuild each head's value output, then the original o_proj
@@ -80,8 +76,9 @@ def test_rank_helpers_meet_the_budget():
 
 @pytest.mark.parametrize("group_size", [1, 2, 4])
 def test_full_rank_reproduces_original_logits(model, tokenizer, group_size):
-    palu, info = convert_palu(model, tokenizer, kv_keep=1.0, group_size=group_size, ranks="uniform",
-                              calibration_text=CALIB_TEXT, **FAST)
+    palu, info = convert_palu(
+        model, tokenizer, kv_keep=1.0, group_size=group_size, ranks="uniform", calibration_text=CALIB_TEXT, **FAST
+    )
     assert info["k_ranks"] == [2 * group_size * 8 // 2] * 2
     ids = _ids()
     with torch.no_grad():
@@ -89,7 +86,7 @@ def test_full_rank_reproduces_original_logits(model, tokenizer, group_size):
 
 
 def test_hadamard_folding_leaves_unquantized_outputs_unchanged(model, tokenizer):
-    common = dict(kv_keep=0.5, group_size=2, ranks="uniform", calibration_text=CALIB_TEXT, **FAST)
+    common = {"kv_keep": 0.5, "group_size": 2, "ranks": "uniform", "calibration_text": CALIB_TEXT, **FAST}
     plain, _ = convert_palu(model, tokenizer, hadamard=False, **common)
     rotated, _ = convert_palu(model, tokenizer, hadamard=True, **common)
     ids = _ids()
@@ -97,22 +94,27 @@ def test_hadamard_folding_leaves_unquantized_outputs_unchanged(model, tokenizer)
         torch.testing.assert_close(rotated(ids).logits, plain(ids).logits, atol=2e-5, rtol=1e-4)
         # ... while the cached latents themselves are rotated
         x = torch.randn(3, 32)
-        assert not torch.allclose(rotated.model.layers[0].self_attn.k_down(x), plain.model.layers[0].self_attn.k_down(x))
+        assert not torch.allclose(
+            rotated.model.layers[0].self_attn.k_down(x), plain.model.layers[0].self_attn.k_down(x)
+        )
 
 
 def test_hadamard_reduces_low_bit_error(model, tokenizer):
-    common = dict(kv_keep=0.5, group_size=4, ranks="uniform", calibration_text=CALIB_TEXT, **FAST)
+    common = {"kv_keep": 0.5, "group_size": 4, "ranks": "uniform", "calibration_text": CALIB_TEXT, **FAST}
     ids = _ids(4, 32)
     with torch.no_grad():
         ref = convert_palu(model, tokenizer, quant_bits=0, **common)[0](ids).logits
-        errors = {h: (convert_palu(model, tokenizer, quant_bits=2, hadamard=h, **common)[0](ids).logits - ref).norm()
-                  for h in (False, True)}
+        errors = {
+            h: (convert_palu(model, tokenizer, quant_bits=2, hadamard=h, **common)[0](ids).logits - ref).norm()
+            for h in (False, True)
+        }
     assert errors[True] < errors[False]
 
 
 def test_fisher_conversion_meets_budget(model, tokenizer):
-    palu, info = convert_palu(model, tokenizer, kv_keep=0.5, group_size=2, ranks="fisher",
-                              calibration_text=CALIB_TEXT, **FAST)
+    palu, info = convert_palu(
+        model, tokenizer, kv_keep=0.5, group_size=2, ranks="fisher", calibration_text=CALIB_TEXT, **FAST
+    )
     assert info["kv_keep_achieved"] == 0.5
     assert palu.config.palu_k_ranks == info["k_ranks"] and len(info["fisher_scores"]) == 2
 
@@ -137,7 +139,18 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
     calib = tmp_path / "calib.txt"
     calib.write_text(CALIB_TEXT)
     out = tmp_path / "palu"
-    base = ["convert", "palu", "--model", str(src), "--calib", str(calib), "--out", str(out), "--base-model", "org/tiny"]
+    base = [
+        "convert",
+        "palu",
+        "--model",
+        str(src),
+        "--calib",
+        str(calib),
+        "--out",
+        str(out),
+        "--base-model",
+        "org/tiny",
+    ]
     fast = ["--calib-samples", "4", "--calib-seq-len", "32", "--fisher-samples", "2", "--rank-multiple", "2"]
     assert main(base + ["--kv-keep", "1.5"]) == 2
     assert main(base + ["--kv-keep", "0.5", "--group-size", "3"] + fast) == 2
@@ -148,15 +161,25 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["kv_keep_achieved"] == 0.5 and summary["quant_bits"] == 3
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors", "modeling_palu.py", "configuration_palu.py", "palu_kernels.py",
-            "README.md", "palu_ranks.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "modeling_palu.py",
+        "configuration_palu.py",
+        "palu_kernels.py",
+        "README.md",
+        "palu_ranks.json",
+    } <= names
     assert "2 group(s) of 2 consecutive KV heads" in (out / "README.md").read_text()
 
 
 def test_default_model_full_rank_and_3bit(default_model, shakespeare_text):
     """SmolLM2-135M (30 layers, 3 KV heads): gs 3 at full rank is exact; gs 1 at 0.5 with 3 bits decodes."""
     model, tokenizer = default_model
-    calib = dict(calibration_text=shakespeare_text[:200_000], calib_samples=4, calib_seq_len=64, progress=False)
+    from hf_accel.compress.calibration import collect_kv_calibration, tokenize_calibration_text
+
+    calib_ids = tokenize_calibration_text(tokenizer, shakespeare_text[:100_000], 4, 64)
+    calib = {"calibration": collect_kv_calibration(model, calib_ids, progress=False), "progress": False}
     ids = tokenizer("To be, or not to be, that is the question:", return_tensors="pt")["input_ids"]
     full, _ = convert_palu(model, tokenizer, kv_keep=1.0, group_size=3, ranks="uniform", **calib)
     with torch.no_grad():
