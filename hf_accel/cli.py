@@ -26,6 +26,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_eval(commands)  # `eval ppl` and `bench generate`
     add_train(commands)  # `train heal`
     add_hub(commands)  # `push`
+    __import__("hf_accel.compress.cli", fromlist=["add_cli"]).add_cli(commands)  # `convert care` (Palu: `convert palu`)
     return parser
 
 
