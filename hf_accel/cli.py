@@ -15,6 +15,7 @@ def print_json(obj) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from .compress.cli import add_cli as add_convert
     from .demo import add_cli as add_demo
     from .eval.cli import add_cli as add_eval
     from .hub import add_cli as add_hub
@@ -26,7 +27,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_eval(commands)  # `eval ppl` and `bench generate`
     add_train(commands)  # `train heal`
     add_hub(commands)  # `push`
-    __import__("hf_accel.compress.cli", fromlist=["add_cli"]).add_cli(commands)  # `convert care` (Palu: `convert palu`)
+    add_convert(commands)  # `convert care` (Palu adds `convert palu`)
     return parser
 
 

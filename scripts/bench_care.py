@@ -27,8 +27,9 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default=DEFAULT_TEXT, help="text file: first half calibrates, second half evaluates")
     p.add_argument("--kv-keep", type=float, nargs="+", default=[0.75, 0.5, 0.25, 0.125])
-    p.add_argument("--methods", nargs="+", default=["svd", "asvd", "care-u", "care-e-raw", "care-e-rel", "care"],
-                   choices=METHODS)
+    p.add_argument(
+        "--methods", nargs="+", default=["svd", "asvd", "care-u", "care-e-raw", "care-e-rel", "care"], choices=METHODS
+    )
     p.add_argument("--calib-text-samples", type=int, default=16, help="calibration windows from the text")
     p.add_argument("--calib-generated-samples", type=int, default=16, help="model-generated calibration sequences")
     p.add_argument("--calib-seq-len", type=int, default=256)
@@ -55,7 +56,12 @@ def main(argv=None) -> int:
         calibration = torch.load(args.calib_cache, weights_only=False)
     else:
         calibration = calibrate_mixed(
-            model, tokenizer, calib_text, args.calib_text_samples, args.calib_generated_samples, args.calib_seq_len,
+            model,
+            tokenizer,
+            calib_text,
+            args.calib_text_samples,
+            args.calib_generated_samples,
+            args.calib_seq_len,
             seed=args.seed,
         )
         if args.calib_cache:
@@ -70,11 +76,15 @@ def main(argv=None) -> int:
             Path(args.generated_cache).write_text(heldout_generated, encoding="utf-8")
     eval_texts = {"shakespeare": heldout_text, "generated": heldout_generated}
     eval_tokens = {"shakespeare": args.eval_tokens, "generated": args.eval_generated_tokens}
-    report = benchmark_care(model, tokenizer, calibration, eval_texts, args.kv_keep, args.methods, eval_tokens,
-                            args.eval_seq_len)
+    report = benchmark_care(
+        model, tokenizer, calibration, eval_texts, args.kv_keep, args.methods, eval_tokens, args.eval_seq_len
+    )
     report.update(
-        model=args.model, calibration=dict(calibration.meta, tokens=calibration.tokens),
-        calibration_seconds=round(calibration_seconds, 1), eval_tokens=eval_tokens, eval_seq_len=args.eval_seq_len,
+        model=args.model,
+        calibration=dict(calibration.meta, tokens=calibration.tokens),
+        calibration_seconds=round(calibration_seconds, 1),
+        eval_tokens=eval_tokens,
+        eval_seq_len=args.eval_seq_len,
         command="python scripts/bench_care.py " + " ".join(sys.argv[1:] if argv is None else argv),
     )
     print(format_table(report, list(eval_texts)))

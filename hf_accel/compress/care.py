@@ -58,9 +58,7 @@ def model_family(model) -> str:
     """The model_type of a supported original model; raises `ValueError` for others."""
     model_type = getattr(model.config, "model_type", None)
     if model_type not in FAMILIES:
-        raise ValueError(
-            f"CARE does not know model family {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
-        )
+        raise ValueError(f"CARE does not know model family {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
     return model_type
 
 
@@ -220,8 +218,13 @@ def build_care_model(model, factors, k_ranks, v_ranks, absorb_value: bool = Fals
         if absorb_value:
             o_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.detach().double()
             weight, bias = _absorbed_o_proj(
-                attn.o_proj.weight.detach().double(), o_bias, v_up.T, v_bias,
-                config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
+                attn.o_proj.weight.detach().double(),
+                o_bias,
+                v_up.T,
+                v_bias,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                attn.head_dim,
             )
             state[prefix + "o_proj.weight"] = weight
             if care_model.model.layers[idx].self_attn.o_proj.bias is not None:
@@ -240,7 +243,6 @@ def _check_finite(state) -> None:
     for name, tensor in state.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(f"conversion produced non-finite values in {name}; try a larger --alpha")
-
 
 
 @dataclass
@@ -330,8 +332,13 @@ def run_care_conversion(
     k_ranks, v_ranks = allocate_ranks(factors, config.kv_keep, config.method, config.rank_floor_frac)
     care_model = build_care_model(model, factors, k_ranks, v_ranks, config.absorb_value)
     return CareResult(
-        model=care_model, k_ranks=k_ranks, v_ranks=v_ranks, method=config.method, kv_keep=config.kv_keep,
-        calibration_seconds=calibration_seconds, factorization_seconds=time.perf_counter() - start,
+        model=care_model,
+        k_ranks=k_ranks,
+        v_ranks=v_ranks,
+        method=config.method,
+        kv_keep=config.kv_keep,
+        calibration_seconds=calibration_seconds,
+        factorization_seconds=time.perf_counter() - start,
         calibration=calibration,
     )
 
@@ -438,9 +445,14 @@ def save_care_model(result: CareResult, tokenizer, out_dir, base_name: str = "",
         plot_ranks(tmp / "care_ranks.png", result.k_ranks, result.v_ranks, width, f"CARE ranks ({result.method})")
         (tmp / "README.md").write_text(
             _CARD.format(
-                name=out.name, base=base_name or "unknown", method=result.method, kv_keep=result.kv_keep,
-                values=summary["cache_values_per_token"], original=2 * width * len(result.k_ranks),
-                fraction=summary["achieved_kv_keep"], calibration=calibration or "none (plain SVD)",
+                name=out.name,
+                base=base_name or "unknown",
+                method=result.method,
+                kv_keep=result.kv_keep,
+                values=summary["cache_values_per_token"],
+                original=2 * width * len(result.k_ranks),
+                fraction=summary["achieved_kv_keep"],
+                calibration=calibration or "none (plain SVD)",
             ),
             encoding="utf-8",
         )

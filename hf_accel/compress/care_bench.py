@@ -46,7 +46,13 @@ def generated_text(model, tokenizer, num_samples: int, seq_len: int, seed: int, 
 
 
 def calibrate_mixed(
-    model, tokenizer, text: str | None, text_samples: int, generated_samples: int, seq_len: int, seed: int = 0,
+    model,
+    tokenizer,
+    text: str | None,
+    text_samples: int,
+    generated_samples: int,
+    seq_len: int,
+    seed: int = 0,
     with_output_grads: bool = True,
 ) -> KvCalibration:
     """One calibration over `text_samples` windows of `text` plus `generated_samples` model-generated sequences."""
@@ -77,8 +83,15 @@ def measured_cache_bytes_per_token(model, vocab_size: int, tokens: int = 16) -> 
 
 
 def benchmark_care(
-    model, tokenizer, calibration: KvCalibration, eval_texts: dict, kv_keeps, methods, eval_tokens: dict,
-    seq_len: int = 512, progress: bool = False,
+    model,
+    tokenizer,
+    calibration: KvCalibration,
+    eval_texts: dict,
+    kv_keeps,
+    methods,
+    eval_tokens: dict,
+    seq_len: int = 512,
+    progress: bool = False,
 ) -> dict:
     """Converts `model` with each method at each budget and evaluates it.
 
@@ -95,7 +108,9 @@ def benchmark_care(
         }
 
     vocab = model.config.vocab_size
-    report = {"original": {"ppl": evaluate(model), "cache_bytes_per_token": measured_cache_bytes_per_token(model, vocab)}}
+    report = {
+        "original": {"ppl": evaluate(model), "cache_bytes_per_token": measured_cache_bytes_per_token(model, vocab)}
+    }
     rows = []
     for kv_keep in kv_keeps:
         for method in methods:
@@ -108,8 +123,10 @@ def benchmark_care(
             row["ppl"] = evaluate(result.model)
             row["cache_bytes_per_token"] = measured_cache_bytes_per_token(result.model, vocab)
             rows.append(row)
-            print(f"  kv_keep={kv_keep} {method:11s} ppl={row['ppl']} bytes/token={row['cache_bytes_per_token']:.0f}",
-                  flush=True)
+            print(
+                f"  kv_keep={kv_keep} {method:11s} ppl={row['ppl']} bytes/token={row['cache_bytes_per_token']:.0f}",
+                flush=True,
+            )
             del result
     report["results"] = rows
     return report
@@ -121,7 +138,8 @@ def format_table(report: dict, eval_names) -> str:
     lines = [head, "|" + "---|" * (4 + len(eval_names))]
     orig = report["original"]
     lines.append(
-        "| 1.0 | original | " + " | ".join(f"{orig['ppl'][n]:.2f}" for n in eval_names)
+        "| 1.0 | original | "
+        + " | ".join(f"{orig['ppl'][n]:.2f}" for n in eval_names)
         + f" | {orig['cache_bytes_per_token']:.0f} | – |"
     )
     for row in report["results"]:

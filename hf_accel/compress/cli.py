@@ -49,15 +49,23 @@ def run_convert_care(args) -> int:
     )  # validates before the (slow) model load
     model, tokenizer = load_model_and_tokenizer(args.model)
     result = run_care_conversion(
-        model, tokenizer, config, progress=not args.json, calib=args.calib, num_samples=args.calib_samples,
-        seq_len=args.calib_seq_len, seed=args.seed,
+        model,
+        tokenizer,
+        config,
+        progress=not args.json,
+        calib=args.calib,
+        num_samples=args.calib_samples,
+        seq_len=args.calib_seq_len,
+        seed=args.seed,
     )
     out = save_care_model(result, tokenizer, args.out, base_name=args.model, overwrite=args.overwrite)
     summary = dict(result.summary(), model=args.model, out=str(out))
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"CARE ({args.method}) kv-keep {args.kv_keep}: {summary['cache_values_per_token']} cached values per "
-              f"token (achieved {summary['achieved_kv_keep']:.3f}); calibration {summary['calibration_seconds']} s, "
-              f"factorization {summary['factorization_seconds']} s → {out}")
+        print(
+            f"CARE ({args.method}) kv-keep {args.kv_keep}: {summary['cache_values_per_token']} cached values per "
+            f"token (achieved {summary['achieved_kv_keep']:.3f}); calibration {summary['calibration_seconds']} s, "
+            f"factorization {summary['factorization_seconds']} s → {out}"
+        )
     return 0

@@ -51,7 +51,7 @@ def test_too_short_calibration_is_an_error():
 
 
 def test_failed_save_leaves_no_output(tmp_path, monkeypatch):
-    import hf_accel.compress.care as care
+    from hf_accel.compress import care
 
     model = make_tiny("llama")
     result = run_care_conversion(model, None, CareConversionConfig(kv_keep=0.5, method="svd"), None, False)
@@ -105,8 +105,23 @@ def test_convert_care_cli(tmp_path, tiny_dir_with_tokenizer, calib, capsys):
         with open(calib, "w") as f:
             f.write("To be, or not to be, that is the question. " * 40)
     out = tmp_path / "out"
-    argv = ["convert", "care", "--model", str(tiny_dir_with_tokenizer), "--kv-keep", "0.5", "--calib", calib,
-            "--calib-samples", "4", "--calib-seq-len", "16", "--out", str(out), "--json"]
+    argv = [
+        "convert",
+        "care",
+        "--model",
+        str(tiny_dir_with_tokenizer),
+        "--kv-keep",
+        "0.5",
+        "--calib",
+        calib,
+        "--calib-samples",
+        "4",
+        "--calib-seq-len",
+        "16",
+        "--out",
+        str(out),
+        "--json",
+    ]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["cache_values_per_token"] == 16 and summary["method"] == "care"

@@ -17,7 +17,9 @@ def _activation_error(x, w, w_hat):
 def _random_problem(seed=0, n=64, d_in=6, d_out=5):
     g = torch.Generator().manual_seed(seed)
     # correlated, anisotropic inputs so that whitening matters
-    x = torch.randn(n, d_in, generator=g, dtype=torch.float64) @ torch.randn(d_in, d_in, generator=g, dtype=torch.float64)
+    x = torch.randn(n, d_in, generator=g, dtype=torch.float64) @ torch.randn(
+        d_in, d_in, generator=g, dtype=torch.float64
+    )
     w = torch.randn(d_in, d_out, generator=g, dtype=torch.float64)
     return x, w
 
@@ -84,7 +86,9 @@ def test_shrinkage():
     lam_max = torch.linalg.eigvalsh(c).max()
     assert torch.linalg.eigvalsh(shrunk).min() >= 0.1 * 0.01 * lam_max - 1e-12
     s, s_inv = symmetric_sqrt(shrunk)
-    assert torch.allclose(s @ s, shrunk, atol=1e-9) and torch.allclose(s @ s_inv, torch.eye(6, dtype=s.dtype), atol=1e-9)
+    assert torch.allclose(s @ s, shrunk, atol=1e-9) and torch.allclose(
+        s @ s_inv, torch.eye(6, dtype=s.dtype), atol=1e-9
+    )
 
 
 def test_truncate_rejects_bad_rank():

@@ -25,9 +25,7 @@ def _brute_force(gains, budget, caps, floors):
     return best, best_value
 
 
-gain_lists = st.lists(
-    st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=1, max_size=5), min_size=1, max_size=4
-)
+gain_lists = st.lists(st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=1, max_size=5), min_size=1, max_size=4)
 
 
 @settings(max_examples=60, deadline=None)
@@ -85,4 +83,6 @@ def test_uniform_and_budget():
 
 def test_relative_energy_is_per_matrix_fraction():
     gains = relative_energy_gains([torch.tensor([3.0, 1.0]), torch.tensor([30.0, 10.0])])
-    assert torch.allclose(gains[0], gains[1]) and torch.allclose(gains[0].sum(), torch.tensor(1.0, dtype=torch.float64))
+    assert torch.allclose(gains[0], gains[1]) and torch.allclose(
+        gains[0].sum(), torch.tensor(1.0, dtype=torch.float64)
+    )

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from hf_accel.compress.care import convert_care, run_care_conversion, save_care_model, CareConversionConfig
+from hf_accel.compress.care import CareConversionConfig, convert_care, run_care_conversion, save_care_model
 from hf_accel.models.modeling_care import cache_bytes_per_token
 from tests.compress.care_helpers import FAMILIES, make_tiny, tiny_calibration
 
@@ -30,8 +30,9 @@ def _ids(seed=1, shape=(2, 12)):
 @pytest.mark.parametrize("absorb_value", [False, True])
 def test_full_rank_reproduces_original_logits(family_setup, method, absorb_value):
     _, model, calibration = family_setup
-    care = convert_care(model, kv_keep=1.0, method=method, calibration=calibration, absorb_value=absorb_value,
-                        progress=False)
+    care = convert_care(
+        model, kv_keep=1.0, method=method, calibration=calibration, absorb_value=absorb_value, progress=False
+    )
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(care(ids).logits, model(ids).logits, atol=FULL_RANK_ATOL, rtol=0)
@@ -102,7 +103,7 @@ def test_batched_left_padded_generate_matches_single_rows(family_setup):
     batch = torch.cat([long_row, torch.cat([torch.zeros(1, 4, dtype=torch.long), short_row], 1)])
     mask = torch.ones_like(batch)
     mask[1, :4] = 0
-    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         batched = care.generate(batch, attention_mask=mask, **kwargs)
         single_long = care.generate(long_row, **kwargs)
@@ -134,7 +135,11 @@ def test_saved_checkpoint_loads_in_fresh_process(tmp_path):
         "print('ok')\n"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")  # hf_accel must not be needed to load
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
-    assert {"care_ranks.json", "care_ranks.png", "README.md", "modeling_care.py"} <= set(os.listdir(tmp_path / "llama"))
+    assert {"care_ranks.json", "care_ranks.png", "README.md", "modeling_care.py"} <= set(
+        os.listdir(tmp_path / "llama")
+    )
