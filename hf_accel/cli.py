@@ -14,17 +14,8 @@ def print_json(obj) -> None:
     print(json.dumps(obj, indent=None, sort_keys=False))
 
 
-def convert_subcommands(commands):
-    """The subparsers of the shared `convert` command, created on first use; each converter adds its method to them
-    (`convert palu`, `convert care`) from its own `add_cli(commands)`."""
-    convert = commands.choices.get("convert")
-    if convert is None:
-        convert = commands.add_parser("convert", help="convert a model to a compressed-KV attention")
-        convert.hf_accel_methods = convert.add_subparsers(dest="method", required=True, metavar="METHOD")
-    return convert.hf_accel_methods
-
-
 def _build_parser() -> argparse.ArgumentParser:
+    from .compress.cli import add_cli as add_convert
     from .compress.palu import add_cli as add_palu
     from .demo import add_cli as add_demo
     from .eval.cli import add_cli as add_eval
@@ -37,7 +28,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_eval(commands)  # `eval ppl` and `bench generate`
     add_train(commands)  # `train heal`
     add_hub(commands)  # `push`
-    add_palu(commands)  # `convert palu`
+    add_convert(commands)  # `convert care`
+    add_palu(commands)  # `convert palu`, in the same `convert` group
     return parser
 
 

@@ -145,8 +145,13 @@ def collect_kv_calibration(
     d_in = attn_modules[0].k_proj.in_features
     d_k, d_v = attn_modules[0].k_proj.out_features, attn_modules[0].v_proj.out_features
     n = len(attn_modules)
-    zeros = lambda *shape: [torch.zeros(*shape, dtype=torch.float64) for _ in range(n)]  # noqa: E731
-    stats = {"moments": zeros(d_in, d_in), "abs_sums": zeros(d_in), "k_grads": zeros(d_k, d_k), "v_grads": zeros(d_v, d_v)}
+    zeros = lambda *shape: [torch.zeros(*shape, dtype=torch.float64) for _ in range(n)]
+    stats = {
+        "moments": zeros(d_in, d_in),
+        "abs_sums": zeros(d_in),
+        "k_grads": zeros(d_k, d_k),
+        "v_grads": zeros(d_v, d_v),
+    }
     mask_box = [None]
     handles = _accumulate_inputs(attn_modules, stats, mask_box)
     if with_output_grads:
@@ -217,7 +222,13 @@ CALIBRATION_PROMPTS = (
 
 
 def generate_calibration_ids(
-    model, tokenizer, num_samples: int, seq_len: int, seed: int = 0, prompts=CALIBRATION_PROMPTS, batch_size: int = 32,
+    model,
+    tokenizer,
+    num_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    prompts=CALIBRATION_PROMPTS,
+    batch_size: int = 32,
     progress: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples `num_samples` responses of up to `seq_len` tokens from the model itself (self-distillation text).
@@ -234,7 +245,12 @@ def generate_calibration_ids(
         enc = _encode_prompts(tokenizer, batch).to(next(model.parameters()).device)
         with torch.no_grad():
             out = model.generate(
-                **enc, do_sample=True, temperature=1.0, top_p=0.95, max_new_tokens=seq_len, min_new_tokens=seq_len,
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_p=0.95,
+                max_new_tokens=seq_len,
+                min_new_tokens=seq_len,
                 pad_token_id=pad_id,
             )
         new = out[:, enc["input_ids"].shape[1] :].cpu()  # [b, seq_len]
@@ -249,7 +265,9 @@ def _encode_prompts(tokenizer, prompts):
     try:
         if getattr(tokenizer, "chat_template", None):
             texts = [
-                tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
                 for p in prompts
             ]
             return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)

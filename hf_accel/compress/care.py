@@ -12,10 +12,12 @@ per-matrix relative energy σ²/Σσ²), and `care` (the default; see [`DEFAULT_
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from .calibration import KvCalibration, collect_kv_calibration
+from .export import atomic_output_dir, copy_remote_code, plot_ranks, write_json
 from .factorize import asvd_scale, factorize, shrink_moment, symmetric_sqrt, whitened_factorize
 from .ranks import budget_from_kv_keep, raw_sigma_gains, relative_energy_gains, uniform_ranks, water_fill
 
@@ -56,9 +58,7 @@ def model_family(model) -> str:
     """The model_type of a supported original model; raises `ValueError` for others."""
     model_type = getattr(model.config, "model_type", None)
     if model_type not in FAMILIES:
-        raise ValueError(
-            f"CARE does not know model family {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
-        )
+        raise ValueError(f"CARE does not know model family {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
     return model_type
 
 
@@ -218,8 +218,13 @@ def build_care_model(model, factors, k_ranks, v_ranks, absorb_value: bool = Fals
         if absorb_value:
             o_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.detach().double()
             weight, bias = _absorbed_o_proj(
-                attn.o_proj.weight.detach().double(), o_bias, v_up.T, v_bias,
-                config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
+                attn.o_proj.weight.detach().double(),
+                o_bias,
+                v_up.T,
+                v_bias,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                attn.head_dim,
             )
             state[prefix + "o_proj.weight"] = weight
             if care_model.model.layers[idx].self_attn.o_proj.bias is not None:
@@ -238,7 +243,6 @@ def _check_finite(state) -> None:
     for name, tensor in state.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(f"conversion produced non-finite values in {name}; try a larger --alpha")
-
 
 
 @dataclass
@@ -328,8 +332,13 @@ def run_care_conversion(
     k_ranks, v_ranks = allocate_ranks(factors, config.kv_keep, config.method, config.rank_floor_frac)
     care_model = build_care_model(model, factors, k_ranks, v_ranks, config.absorb_value)
     return CareResult(
-        model=care_model, k_ranks=k_ranks, v_ranks=v_ranks, method=config.method, kv_keep=config.kv_keep,
-        calibration_seconds=calibration_seconds, factorization_seconds=time.perf_counter() - start,
+        model=care_model,
+        k_ranks=k_ranks,
+        v_ranks=v_ranks,
+        method=config.method,
+        kv_keep=config.kv_keep,
+        calibration_seconds=calibration_seconds,
+        factorization_seconds=time.perf_counter() - start,
         calibration=calibration,
     )
 
@@ -384,3 +393,67 @@ def kv_cache_bytes_per_token(model, dtype_bytes: int | None = None) -> int:
         return (sum(config.care_k_ranks) + sum(config.care_v_ranks)) * dtype_bytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
+
+
+_CARD = """---
+library_name: transformers
+tags: [hf-accel, care, mla, kv-cache-compression]
+base_model: {base}
+---
+
+# {name}: CARE latent-attention conversion of `{base}`
+
+Converted with `hf-accel convert care` ({method}, kv-keep {kv_keep}): every layer's `k_proj`/`v_proj` is factorized
+into a down-projection to a latent and an up-projection (covariance-weighted SVD, spec 000 Part A), and the KV cache
+stores only the latents: {values} numbers per token over all layers instead of {original}
+({fraction:.1%}). Keys are rebuilt from the latent and RoPE'd at attention time. Per-layer ranks are in
+`care_ranks.json` and `care_ranks.png`.
+
+This is a zero-shot conversion (no healing): quality is below the original.
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
+```
+
+Calibration: {calibration}.
+"""
+
+
+def save_care_model(result: CareResult, tokenizer, out_dir, base_name: str = "", overwrite: bool = False) -> Path:
+    """Writes a converted model as a trust_remote_code checkpoint (atomically).
+
+    The directory holds `model.safetensors`, `config.json` (with `auto_map`), `configuration_care.py` and
+    `modeling_care.py`, the tokenizer, `care_ranks.json`, `care_ranks.png` and a model-card stub `README.md`.
+
+    Args:
+        result ([`CareResult`]): from [`run_care_conversion`].
+        tokenizer: saved beside the model (skipped if `None`).
+        out_dir (`str` or `os.PathLike`): the output directory; must not exist or be empty unless `overwrite`.
+        base_name (`str`, *optional*): the original model's name, for the card.
+    """
+    model, out = result.model, Path(out_dir)
+    width = model.model.layers[0].self_attn.k_up.out_features
+    summary = result.summary()
+    with atomic_output_dir(out, overwrite) as tmp:
+        model.save_pretrained(tmp)
+        copy_remote_code(tmp, ["configuration_care.py", "modeling_care.py"])
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        calibration = dict(result.calibration.meta, tokens=result.calibration.tokens) if result.calibration else None
+        write_json(tmp / "care_ranks.json", dict(summary, base_model=base_name, calibration=calibration))
+        plot_ranks(tmp / "care_ranks.png", result.k_ranks, result.v_ranks, width, f"CARE ranks ({result.method})")
+        (tmp / "README.md").write_text(
+            _CARD.format(
+                name=out.name,
+                base=base_name or "unknown",
+                method=result.method,
+                kv_keep=result.kv_keep,
+                values=summary["cache_values_per_token"],
+                original=2 * width * len(result.k_ranks),
+                fraction=summary["achieved_kv_keep"],
+                calibration=calibration or "none (plain SVD)",
+            ),
+            encoding="utf-8",
+        )
+    return out

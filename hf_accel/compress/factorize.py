@@ -94,11 +94,11 @@ def factorize(
         scaled, unscale = weight, None
     elif scale.dim() == 1:
         scaled = scale.double()[:, None] * weight  # diag(s) W
-        unscale = lambda m: m / scale.double()[:, None]  # noqa: E731
+        unscale = lambda m: m / scale.double()[:, None]
     else:
         inv = torch.linalg.inv(scale.double()) if scale_inv is None else scale_inv.double()
         scaled = scale.double() @ weight
-        unscale = lambda m: inv @ m  # noqa: E731
+        unscale = lambda m: inv @ m
     if out_scale is not None:
         out_inv = torch.linalg.inv(out_scale.double()) if out_scale_inv is None else out_scale_inv.double()
         scaled = scaled @ out_scale.double()

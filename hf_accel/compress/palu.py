@@ -611,7 +611,8 @@ def _run_convert_palu(args) -> int:
 
 
 def add_cli(commands) -> None:
-    """Register `convert palu` under the shared `convert` command ([`hf_accel.cli.convert_subcommands`])."""
-    from ..cli import convert_subcommands
-
-    add_palu_parser(convert_subcommands(commands))
+    """Register `convert palu` in the `convert` group that [`hf_accel.compress.cli.add_cli`] created."""
+    convert = commands.choices.get("convert")
+    if convert is None:
+        raise RuntimeError("register the `convert` command group (hf_accel.compress.cli.add_cli) before Palu's")
+    add_palu_parser(convert._convert_subcommands)

@@ -9,7 +9,6 @@ gains are taken. Ties go to the lower matrix index (lower layer first, then K be
 """
 
 import heapq
-import math
 from collections.abc import Sequence
 
 import torch
@@ -19,13 +18,13 @@ def budget_from_kv_keep(widths: Sequence[int], kv_keep: float) -> int:
     """Total latent width `round(kv_keep · Σ widths)`; raises `ValueError` for `kv_keep` outside (0, 1]."""
     if not (isinstance(kv_keep, (int, float)) and 0.0 < kv_keep <= 1.0):
         raise ValueError(f"kv_keep must be in (0, 1] (the fraction of the K+V cache to keep), got {kv_keep!r}")
-    return max(len(widths), int(round(kv_keep * sum(widths))))
+    return max(len(widths), round(kv_keep * sum(widths)))
 
 
 def uniform_ranks(caps: Sequence[int], kv_keep: float) -> list[int]:
     """CARE-U: the same fraction `kv_keep` of every matrix's width, `max(1, round(kv_keep · cap))`."""
     budget_from_kv_keep(caps, kv_keep)  # validates kv_keep
-    return [max(1, min(cap, int(round(kv_keep * cap)))) for cap in caps]
+    return [max(1, min(cap, round(kv_keep * cap))) for cap in caps]
 
 
 def water_fill(
@@ -94,7 +93,3 @@ def relative_energy_gains(sigmas: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def rank_fraction(ranks: Sequence[int], caps: Sequence[int]) -> float:
     """The kept fraction of the K+V cache width, `Σ r / Σ cap`."""
     return sum(ranks) / sum(caps)
-
-
-def _is_nonincreasing(g: torch.Tensor) -> bool:
-    return bool((g[1:] <= g[:-1] + 1e-12 * max(1.0, math.fabs(float(g[0])) if len(g) else 1.0)).all())

@@ -89,8 +89,14 @@ def _method_kwargs(method: str, model, tokenizer, pld_tokens: int) -> tuple[dict
 
 
 def run_method(
-    method: str, model, tokenizer, prompts: list[BenchPrompt], batch_size: int, generate_kwargs: dict,
-    pld_tokens: int = 10, seed: int = 0,
+    method: str,
+    model,
+    tokenizer,
+    prompts: list[BenchPrompt],
+    batch_size: int,
+    generate_kwargs: dict,
+    pld_tokens: int = 10,
+    seed: int = 0,
 ) -> MethodRun:
     """Runs one method over all prompts (after a warm-up) and records outputs, times and target passes."""
     extra, batched = _method_kwargs(method, model, tokenizer, pld_tokens)
@@ -161,8 +167,8 @@ def summarize(runs: dict[str, MethodRun], prompts: list[BenchPrompt], do_sample:
         if vanilla is not None:
             base = sum(len(vanilla.outputs[i]) for i in ids) / sum(vanilla.seconds[c] for c in cats)
             out["speedup"] = out["tokens_per_s"] / base
-        out["identical"] = None if do_sample or vanilla is None else all(
-            run.outputs[i] == vanilla.outputs[i] for i in ids
+        out["identical"] = (
+            None if do_sample or vanilla is None else all(run.outputs[i] == vanilla.outputs[i] for i in ids)
         )
         return out
 
@@ -177,8 +183,16 @@ def summarize(runs: dict[str, MethodRun], prompts: list[BenchPrompt], do_sample:
 
 
 def bench_generate(
-    model, tokenizer, prompts: list[BenchPrompt], methods: list[str], batch_size: int = 1, max_new_tokens: int = 128,
-    do_sample: bool = False, temperature: float = 0.7, pld_tokens: int = 10, seed: int = 0,
+    model,
+    tokenizer,
+    prompts: list[BenchPrompt],
+    methods: list[str],
+    batch_size: int = 1,
+    max_new_tokens: int = 128,
+    do_sample: bool = False,
+    temperature: float = 0.7,
+    pld_tokens: int = 10,
+    seed: int = 0,
 ) -> dict:
     """Benchmarks generation methods side by side; returns the `bench generate --json` object (without `model`).
 
@@ -202,7 +216,9 @@ def bench_generate(
         generate_kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
     else:
         generate_kwargs.update(temperature=None, top_k=None, top_p=None)
-    runs = {m: run_method(m, model, tokenizer, prompts, batch_size, generate_kwargs, pld_tokens, seed) for m in methods}
+    runs = {
+        m: run_method(m, model, tokenizer, prompts, batch_size, generate_kwargs, pld_tokens, seed) for m in methods
+    }
     return {
         "prompts": len(prompts),
         "batch_size": batch_size,

@@ -1,0 +1,71 @@
+"""`hf-accel convert ...`: the converters' command line (`convert care` here; Palu adds `convert palu`)."""
+
+import argparse
+import json
+
+
+def add_cli(commands) -> argparse.ArgumentParser:
+    """Adds the `convert` command group to the top-level subparsers; returns its parser.
+
+    Other converters register beside CARE with `parser._convert_subcommands.add_parser(...)` or by extending
+    `_add_converters`.
+    """
+    convert = commands.add_parser("convert", help="convert a model into a smaller-KV-cache checkpoint")
+    converters = convert.add_subparsers(dest="converter", required=True, metavar="CONVERTER")
+    convert._convert_subcommands = converters
+    _add_care(converters)
+    return convert
+
+
+def _add_care(converters) -> None:
+    from .care import METHODS
+
+    care = converters.add_parser(
+        "care", help="CARE: GQA → MLA with covariance-weighted SVD and water-filling ranks (caches latents)"
+    )
+    care.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
+    care.add_argument("--kv-keep", type=float, required=True, help="fraction of the K+V cache kept, in (0, 1]")
+    care.add_argument("--method", default="care", choices=METHODS, help="factorization + rank allocation")
+    care.add_argument(
+        "--calib", default="generated", help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]"
+    )
+    care.add_argument("--calib-samples", type=int, default=256, help="calibration sequences (spec default 256)")
+    care.add_argument("--calib-seq-len", type=int, default=32, help="tokens per sequence (spec default 32)")
+    care.add_argument("--alpha", type=float, default=0.05, help="covariance shrinkage weight α")
+    care.add_argument("--absorb-value", action="store_true", help="fold the value up-projection into o_proj")
+    care.add_argument("--seed", type=int, default=0)
+    care.add_argument("--out", required=True, help="output directory (written atomically)")
+    care.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    care.add_argument("--json", action="store_true", help="print one JSON summary object")
+    care.set_defaults(func=run_convert_care)
+
+
+def run_convert_care(args) -> int:
+    from ..loading import load_model_and_tokenizer
+    from .care import CareConversionConfig, run_care_conversion, save_care_model
+
+    config = CareConversionConfig(
+        kv_keep=args.kv_keep, method=args.method, alpha=args.alpha, absorb_value=args.absorb_value
+    )  # validates before the (slow) model load
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    result = run_care_conversion(
+        model,
+        tokenizer,
+        config,
+        progress=not args.json,
+        calib=args.calib,
+        num_samples=args.calib_samples,
+        seq_len=args.calib_seq_len,
+        seed=args.seed,
+    )
+    out = save_care_model(result, tokenizer, args.out, base_name=args.model, overwrite=args.overwrite)
+    summary = dict(result.summary(), model=args.model, out=str(out))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"CARE ({args.method}) kv-keep {args.kv_keep}: {summary['cache_values_per_token']} cached values per "
+            f"token (achieved {summary['achieved_kv_keep']:.3f}); calibration {summary['calibration_seconds']} s, "
+            f"factorization {summary['factorization_seconds']} s → {out}"
+        )
+    return 0

@@ -1,0 +1,74 @@
+"""Writing converted checkpoints: atomic output directories, copied remote code, rank reports and model cards.
+
+Shared by the CARE and Palu converters. A checkpoint is written to a temporary sibling directory and renamed into
+place at the end, so a failure never leaves a half-written output directory.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+
+
+@contextmanager
+def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
+    """Yields a temporary directory that becomes `out_dir` when the block succeeds (and is deleted if it fails).
+
+    Raises:
+        `ValueError` if `out_dir` exists and is not empty, unless `overwrite=True`.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}-old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_remote_code(out_dir: Path, names: list[str]) -> None:
+    """Copies `hf_accel/models/<name>` files (configuration/modeling code) next to the weights."""
+    for name in names:
+        shutil.copy2(MODELS_DIR / name, Path(out_dir) / name)
+
+
+def write_json(path: Path, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def plot_ranks(path: Path, k_ranks: list[int], v_ranks: list[int], width: int, title: str) -> None:
+    """Saves a PNG of the per-layer K and V ranks."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    layers = range(len(k_ranks))
+    ax.plot(layers, k_ranks, marker="o", label="K rank")
+    ax.plot(layers, v_ranks, marker="s", label="V rank")
+    ax.axhline(width, color="grey", linestyle=":", label=f"full width ({width})")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("latent rank")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,98 @@
+"""Benchmark CARE against SVD / ASVD / CARE-U / CARE-E on a model: perplexity, measured KV bytes, conversion time.
+
+Calibrates once on the original model (tinyshakespeare's first half + model-generated text by default), converts
+with every method at every budget, and evaluates perplexity on tinyshakespeare's held-out second half and on held-out
+model-generated text (other prompts, other seed).
+
+Example:
+    python scripts/bench_care.py --kv-keep 0.75 0.5 0.25 0.125 --json
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+DEFAULT_TEXT = "/work/shared/data/tinyshakespeare.txt"
+
+
+def parse_args(argv=None):
+    from hf_accel.compress.care import METHODS
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--text", default=DEFAULT_TEXT, help="text file: first half calibrates, second half evaluates")
+    p.add_argument("--kv-keep", type=float, nargs="+", default=[0.75, 0.5, 0.25, 0.125])
+    p.add_argument(
+        "--methods", nargs="+", default=["svd", "asvd", "care-u", "care-e-raw", "care-e-rel", "care"], choices=METHODS
+    )
+    p.add_argument("--calib-text-samples", type=int, default=16, help="calibration windows from the text")
+    p.add_argument("--calib-generated-samples", type=int, default=16, help="model-generated calibration sequences")
+    p.add_argument("--calib-seq-len", type=int, default=256)
+    p.add_argument("--calib-cache", default=None, help="file to save / reuse the calibration statistics")
+    p.add_argument("--generated-cache", default=None, help="file to save / reuse the held-out generated text")
+    p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of held-out text evaluated")
+    p.add_argument("--eval-generated-tokens", type=int, default=2048, help="tokens of held-out generated text")
+    p.add_argument("--eval-seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from hf_accel.compress.care_bench import benchmark_care, calibrate_mixed, format_table, generated_text, split_text
+    from hf_accel.loading import load_model_and_tokenizer
+
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    calib_text, heldout_text = split_text(Path(args.text).read_text(encoding="utf-8"))
+    start = time.perf_counter()
+    if args.calib_cache and Path(args.calib_cache).is_file():
+        calibration = torch.load(args.calib_cache, weights_only=False)
+    else:
+        calibration = calibrate_mixed(
+            model,
+            tokenizer,
+            calib_text,
+            args.calib_text_samples,
+            args.calib_generated_samples,
+            args.calib_seq_len,
+            seed=args.seed,
+        )
+        if args.calib_cache:
+            torch.save(calibration, args.calib_cache)
+    calibration_seconds = time.perf_counter() - start
+    if args.generated_cache and Path(args.generated_cache).is_file():
+        heldout_generated = Path(args.generated_cache).read_text(encoding="utf-8")
+    else:
+        gen_samples = max(1, args.eval_generated_tokens // 256 + 2)
+        heldout_generated = generated_text(model, tokenizer, gen_samples, 256, seed=args.seed + 1000)
+        if args.generated_cache:
+            Path(args.generated_cache).write_text(heldout_generated, encoding="utf-8")
+    eval_texts = {"shakespeare": heldout_text, "generated": heldout_generated}
+    eval_tokens = {"shakespeare": args.eval_tokens, "generated": args.eval_generated_tokens}
+    report = benchmark_care(
+        model, tokenizer, calibration, eval_texts, args.kv_keep, args.methods, eval_tokens, args.eval_seq_len
+    )
+    report.update(
+        model=args.model,
+        calibration=dict(calibration.meta, tokens=calibration.tokens),
+        calibration_seconds=round(calibration_seconds, 1),
+        eval_tokens=eval_tokens,
+        eval_seq_len=args.eval_seq_len,
+        command="python scripts/bench_care.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    )
+    print(format_table(report, list(eval_texts)))
+    print(f"calibration: {report['calibration']} in {report['calibration_seconds']} s (shared by all methods)")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

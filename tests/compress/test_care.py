@@ -1,0 +1,153 @@
+"""CARE converter: bad input, atomic output, the `convert care` command, and the real default model."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_accel.compress.calibration import chunk_token_ids
+from hf_accel.compress.care import (
+    CareConversionConfig,
+    build_care_model,
+    convert_care,
+    factorize_kv,
+    kv_cache_bytes_per_token,
+    run_care_conversion,
+    save_care_model,
+)
+from tests.compress.care_helpers import make_tiny, tiny_calibration
+
+
+def test_unknown_family_is_an_error():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="does not know model family 'gpt2'"):
+        convert_care(gpt2, kv_keep=0.5, method="svd")
+
+
+@pytest.mark.parametrize("kv_keep", [0.0, 1.01, -1])
+def test_budget_outside_unit_interval_is_an_error(kv_keep):
+    with pytest.raises(ValueError, match="kv_keep"):
+        convert_care(make_tiny("llama"), kv_keep=kv_keep, method="svd")
+
+
+def test_unknown_method_is_an_error():
+    with pytest.raises(ValueError, match="unknown CARE method"):
+        CareConversionConfig(method="magic")
+
+
+def test_rank_above_matrix_width_is_an_error():
+    model = make_tiny("llama")
+    factors = factorize_kv(model, None, "svd", CareConversionConfig())
+    with pytest.raises(ValueError, match="layer 1 V rank 17 is outside"):
+        build_care_model(model, factors, [16, 16], [16, 17])
+
+
+def test_too_short_calibration_is_an_error():
+    with pytest.raises(ValueError, match="calibration text too short"):
+        chunk_token_ids(list(range(100)), num_samples=8, seq_len=32)
+
+
+def test_failed_save_leaves_no_output(tmp_path, monkeypatch):
+    from hf_accel.compress import care
+
+    model = make_tiny("llama")
+    result = run_care_conversion(model, None, CareConversionConfig(kv_keep=0.5, method="svd"), None, False)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(care, "plot_ranks", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_care_model(result, None, tmp_path / "out")
+    assert os.listdir(tmp_path) == []  # neither the output nor a temporary directory is left
+
+
+def test_existing_output_needs_overwrite(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    result = run_care_conversion(make_tiny("llama"), None, CareConversionConfig(method="svd"), None, False)
+    with pytest.raises(ValueError, match="--overwrite"):
+        save_care_model(result, None, tmp_path / "out")
+    save_care_model(result, None, tmp_path / "out", overwrite=True)
+    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
+
+
+def test_kv_cache_bytes_helper_matches_ranks():
+    model = make_tiny("qwen3")
+    care = convert_care(model, kv_keep=0.25, calibration=tiny_calibration(model), progress=False)
+    assert kv_cache_bytes_per_token(model) == 2 * 2 * 2 * 8 * 4
+    assert kv_cache_bytes_per_token(care) == (sum(care.config.care_k_ranks) + sum(care.config.care_v_ranks)) * 4
+    assert sum(care.config.care_k_ranks) + sum(care.config.care_v_ranks) == 16
+
+
+@pytest.fixture(scope="module")
+def tiny_dir_with_tokenizer(tmp_path_factory, default_model):
+    """A tiny random Llama saved with the default model's tokenizer, so the CLI can load it by path."""
+    _, tokenizer = default_model
+    path = tmp_path_factory.mktemp("tiny-llama")
+    from tests.conftest import make_tiny_llama
+
+    make_tiny_llama(vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("calib", ["text", "generated"])
+def test_convert_care_cli(tmp_path, tiny_dir_with_tokenizer, calib, capsys):
+    from hf_accel.cli import main
+
+    if calib == "text":
+        calib = str(tmp_path / "calib.txt")
+        with open(calib, "w") as f:
+            f.write("To be, or not to be, that is the question. " * 40)
+    out = tmp_path / "out"
+    argv = [
+        "convert",
+        "care",
+        "--model",
+        str(tiny_dir_with_tokenizer),
+        "--kv-keep",
+        "0.5",
+        "--calib",
+        calib,
+        "--calib-samples",
+        "4",
+        "--calib-seq-len",
+        "16",
+        "--out",
+        str(out),
+        "--json",
+    ]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["cache_values_per_token"] == 16 and summary["method"] == "care"
+    ranks = json.loads((out / "care_ranks.json").read_text())
+    assert ranks["k_ranks"] == summary["k_ranks"]
+    # too short calibration text: one clear error, exit code 2, no output directory
+    if calib.endswith(".txt"):
+        argv[argv.index("--calib-samples") + 1] = "1000"
+        argv[argv.index("--out") + 1] = str(tmp_path / "out2")
+        assert main(argv) == 2
+        assert "calibration text too short" in capsys.readouterr().err
+        assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.slow
+def test_default_model_full_rank_and_cache_bytes(default_model):
+    """SmolLM2-135M: full-rank CARE reproduces the logits; at kv-keep 0.5 the measured cache is half the original's."""
+    from hf_accel.compress.care_bench import measured_cache_bytes_per_token
+
+    model, tokenizer = default_model
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 8, return_tensors="pt")["input_ids"]
+    calibration = tiny_calibration(model, n=4, seq_len=32, with_output_grads=False)
+    full = convert_care(model, kv_keep=1.0, method="care-u", calibration=calibration, progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(full(ids).logits, model(ids).logits, atol=2e-3, rtol=0)
+    half = convert_care(model, kv_keep=0.5, method="care-e-rel", calibration=calibration, progress=False)
+    original_bytes = measured_cache_bytes_per_token(model, model.config.vocab_size)
+    assert original_bytes == 2 * 30 * 3 * 64 * 4
+    assert measured_cache_bytes_per_token(half, model.config.vocab_size) == original_bytes / 2

@@ -1,0 +1,145 @@
+"""CARE model classes on tiny random models of every supported family (Llama, Mistral, Qwen2 with biases, Qwen3)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_accel.compress.care import CareConversionConfig, convert_care, run_care_conversion, save_care_model
+from hf_accel.models.modeling_care import cache_bytes_per_token
+from tests.compress.care_helpers import FAMILIES, make_tiny, tiny_calibration
+
+
+# Full-rank conversion: float32 logits agree with the original's to this absolute tolerance (seen: ~2e-7).
+FULL_RANK_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_setup(request):
+    model = make_tiny(request.param)
+    return request.param, model, tiny_calibration(model)
+
+
+def _ids(seed=1, shape=(2, 12)):
+    return torch.randint(3, 97, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("method", ["care", "care-u", "care-e-raw", "svd", "asvd"])
+@pytest.mark.parametrize("absorb_value", [False, True])
+def test_full_rank_reproduces_original_logits(family_setup, method, absorb_value):
+    _, model, calibration = family_setup
+    care = convert_care(
+        model, kv_keep=1.0, method=method, calibration=calibration, absorb_value=absorb_value, progress=False
+    )
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(care(ids).logits, model(ids).logits, atol=FULL_RANK_ATOL, rtol=0)
+
+
+def test_cache_holds_latents_and_bytes_match_ranks(family_setup):
+    _, model, calibration = family_setup
+    care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
+    ranks_k, ranks_v = care.config.care_k_ranks, care.config.care_v_ranks
+    assert sum(ranks_k) + sum(ranks_v) == round(0.5 * 2 * 2 * 16)
+    with torch.no_grad():
+        cache = care(_ids(), use_cache=True).past_key_values
+    for layer, rk, rv in zip(cache.layers, ranks_k, ranks_v):
+        assert layer.keys.shape == (2, 1, 12, rk) and layer.values.shape == (2, 1, 12, rv)
+    assert cache_bytes_per_token(cache) == (sum(ranks_k) + sum(ranks_v)) * 4  # float32
+
+
+def test_absorbed_value_matches_unabsorbed(family_setup):
+    _, model, calibration = family_setup
+    plain = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
+    absorbed = convert_care(model, kv_keep=0.5, calibration=calibration, absorb_value=True, progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(absorbed(_ids()).logits, plain(_ids()).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_incremental_decoding_crop_and_gather(family_setup):
+    """Latent caches survive the speculative engine's sequence-axis crop and index-select."""
+    _, model, calibration = family_setup
+    care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
+    ids = _ids(shape=(2, 10))
+    with torch.no_grad():
+        full = care(ids).logits
+        # prefill 6, then decode the rest one token at a time
+        out = care(ids[:, :6], use_cache=True)
+        cache, steps = out.past_key_values, [out.logits]
+        for t in range(6, 10):
+            out = care(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+        # crop back to 7 tokens and redo the last three
+        cache.crop(-3)  # transformers 5: a negative count of tokens to remove
+        redo = care(ids[:, 7:], past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(redo, full[:, 7:], atol=1e-5, rtol=1e-5)
+        # a "tree" of two rejected tokens then the accepted ones, verified with explicit positions, then gathered
+        cache = care(ids[:, :6], use_cache=True).past_key_values
+        junk = _ids(seed=9, shape=(2, 2))
+        block = torch.cat([junk, ids[:, 6:8]], 1)
+        positions = torch.tensor([[6, 7, 6, 7]]).expand(2, -1)
+        mask = torch.full((4, 10), float("-inf"))
+        mask[:, :6] = 0
+        mask[[0, 1, 1, 2, 3, 3], [6, 6, 7, 8, 8, 9]] = 0  # node i sees its own path only
+        mask = mask[None, None].expand(2, 1, 4, 10)
+        tree = care(block, past_key_values=cache, position_ids=positions, attention_mask=mask, use_cache=True).logits
+        torch.testing.assert_close(tree[:, 2:], full[:, 6:8], atol=1e-5, rtol=1e-5)
+        keep = torch.tensor([0, 1, 2, 3, 4, 5, 8, 9])
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
+            if hasattr(layer, "cumulative_length"):  # sliding-window layers (Mistral) count tokens seen
+                layer.cumulative_length = len(keep)
+        after = care(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(after, full[:, 8:], atol=1e-5, rtol=1e-5)
+
+
+def test_batched_left_padded_generate_matches_single_rows(family_setup):
+    _, model, calibration = family_setup
+    care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
+    long_row, short_row = _ids(seed=3, shape=(1, 9)), _ids(seed=4, shape=(1, 5))
+    batch = torch.cat([long_row, torch.cat([torch.zeros(1, 4, dtype=torch.long), short_row], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :4] = 0
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        batched = care.generate(batch, attention_mask=mask, **kwargs)
+        single_long = care.generate(long_row, **kwargs)
+        single_short = care.generate(short_row, **kwargs)
+    assert torch.equal(batched[0], single_long[0])
+    assert torch.equal(batched[1, 4:], single_short[0])
+
+
+def test_saved_checkpoint_loads_in_fresh_process(tmp_path):
+    """save → AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) in a new interpreter → same logits."""
+    ids = _ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    for family in FAMILIES:
+        model = make_tiny(family)
+        result = run_care_conversion(model, None, CareConversionConfig(kv_keep=0.5), tiny_calibration(model), False)
+        save_care_model(result, None, tmp_path / family, base_name=f"tiny-{family}")
+        with torch.no_grad():
+            torch.save(result.model(ids).logits, tmp_path / f"{family}.pt")
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+        f"for family in {list(FAMILIES)!r}:\n"
+        f"    m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r} + '/' + family, trust_remote_code=True)\n"
+        "    assert type(m).__name__.startswith('Care'), type(m)\n"
+        f"    ref = torch.load({str(tmp_path)!r} + '/' + family + '.pt')\n"
+        "    with torch.no_grad():\n"
+        "        torch.testing.assert_close(m(ids).logits, ref, atol=1e-6, rtol=0)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")  # hf_accel must not be needed to load
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")
+    assert {"care_ranks.json", "care_ranks.png", "README.md", "modeling_care.py"} <= set(
+        os.listdir(tmp_path / "llama")
+    )
