@@ -7,7 +7,14 @@ Pipeline (spec 000, Part A): calibrate the k/v-projection input moments on the o
 
 Methods (`method=`): `svd` (plain SVD, uniform ranks), `asvd` (diagonal activation scaling, uniform), `care-u`
 (whitened SVD, uniform), `care-e-raw` (whitened SVD, the spec's water-filling on raw σ), `care-e-rel` (water-filling on
-per-matrix relative energy σ²/Σσ²), and `care` (the default; see [`DEFAULT_ALLOCATION`]).
+per-matrix relative energy σ²/Σσ²), and `care` (the default).
+
+The default `care` weighs both sides of each projection: the input by `√C` (CARE's covariance) and the output by
+`√G`, the root of the second moment of the loss gradient at the projection's output (one backward pass during
+calibration). The SVD of `√C·W·√G` minimises the K-FAC estimate of the loss increase, and its σ² are in loss units,
+so water-filling on them compares layers and K against V on one scale. The spec's raw σ (`care-e-raw`) are not
+comparable across layers (issue 3's probe: it loses to uniform ranks on SmolLM2), and relative energy (`care-e-rel`)
+only normalises each matrix without knowing how much the loss cares about it. Measured in the README's CARE table.
 """
 
 import time

@@ -124,7 +124,7 @@ def test_convert_care_cli(tmp_path, tiny_dir_with_tokenizer, calib, capsys):
     ]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["cache_values_per_token"] == 16 and summary["method"] == "care"
+    assert summary["cache_values_per_token"] == 32 and summary["method"] == "care"  # half of 2 layers × (16 + 16)
     ranks = json.loads((out / "care_ranks.json").read_text())
     assert ranks["k_ranks"] == summary["k_ranks"]
     # too short calibration text: one clear error, exit code 2, no output directory
