@@ -351,9 +351,10 @@ def convert_palu(
         k_ranks, v_ranks = uniform_group_ranks(width, kv_keep, conversion.rank_multiple, num_layers)
     start = time.perf_counter()
     layer_factors = []
+    all_scales = _layer_scales(calibration, conversion.alpha, conversion.lam_frac)
     for idx, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        scales = symmetric_sqrt(shrink_moment(calibration.moments[idx], conversion.alpha, conversion.lam_frac))
+        scales = all_scales[idx]
         common = {
             "num_key_value_heads": n_kv,
             "head_dim": head_dim,
@@ -381,6 +382,14 @@ def convert_palu(
         "timings": timings,
     }
     return palu, info
+
+
+def _layer_scales(calibration, alpha: float, lam_frac: float) -> list:
+    """Per layer `(S, S⁻¹)` with `S = √C_λ`, cached on the calibration: conversions that share it skip the eigh."""
+    key = ("palu_scales", alpha, lam_frac)
+    if key not in calibration.meta:
+        calibration.meta[key] = [symmetric_sqrt(shrink_moment(m, alpha, lam_frac)) for m in calibration.moments]
+    return calibration.meta[key]
 
 
 def describe_grouping(num_heads: int, num_key_value_heads: int, group_size: int) -> str:
