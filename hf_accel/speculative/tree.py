@@ -88,7 +88,7 @@ class DraftTree:
 
 def to_verification_parents(parent: torch.LongTensor) -> torch.LongTensor:
     """Prepends the root: drafter-facing parents `(B, N)` -> verification parents `(B, N + 1)`."""
-    root = torch.full_like(parent[:, :1], -1)
+    root = parent.new_full((parent.shape[0], 1), -1)
     return torch.cat([root, parent + 1], dim=1)
 
 
