@@ -61,6 +61,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():  # else another process finished the same conversion first
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,3 +35,14 @@ def default_model():
     from hf_accel.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer("smollm2-135m")
+
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(scope="session")
+def shakespeare_text():
+    """Real English text: ../shared/data/tinyshakespeare.txt beside the checkout (CI has it there)."""
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} is not there")
+    return SHAKESPEARE.read_text(encoding="utf-8")

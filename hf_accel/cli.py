@@ -1,0 +1,42 @@
+"""The `hf-accel` command line: one entry point, a subcommand per user job.
+
+Each family adds its own subcommands through an `add_cli(subparsers)` function next to its code, registered in
+`_build_parser`; a subcommand sets `func(args) -> int`. Expected user errors (bad model id, missing file, bad
+prompts file, bad option) are raised as `ValueError`/`FileNotFoundError` and printed as one line, no traceback.
+"""
+
+import argparse
+import json
+import sys
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, indent=None, sort_keys=False))
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from .demo import add_cli as add_demo
+    from .eval.cli import add_cli as add_eval
+
+    parser = argparse.ArgumentParser(prog="hf-accel", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_demo(commands)
+    add_eval(commands)  # `eval ppl` and `bench generate`
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"hf-accel {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""The generation benchmark: every method on the same prompts, in one process, side by side.
+
+Methods: `vanilla` (plain `generate`), `pld` (transformers' prompt lookup, `prompt_lookup_num_tokens`), and
+`<drafter>[:<artifact>]` for hf-accel drafters, run through `model.generate(custom_generate=...)`.
+
+Measurement rules (DESIGN.md, "Measuring"): one warm-up generation per method, excluded; prompts batched within a
+category (so per-category times are exact); `tokens_per_s` = generated tokens (up to and including EOS) / wall
+time; `speedup` = tokens_per_s / vanilla's in the same run; `mean_accepted` = tokens produced per target forward
+pass after the prefill, bonus token included (vanilla is 1 by construction); `identical` = every greedy output equals
+vanilla's token for token (None when sampling).
+"""
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .prompts import BenchPrompt
+
+
+@dataclass
+class MethodRun:
+    """What one method produced on the whole prompt set."""
+
+    outputs: dict = field(default_factory=dict)  # question_id -> list[int] of generated tokens
+    seconds: dict = field(default_factory=lambda: defaultdict(float))  # category -> wall time
+    passes: dict = field(default_factory=lambda: defaultdict(int))  # category -> target passes after prefill
+    note: str | None = None
+
+
+class _ForwardCounter:
+    """Counts forward calls of the target model (a forward hook; works for any decoding loop)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+    def remove(self):
+        self._handle.remove()
+
+
+def _trim(row: torch.Tensor, eos_ids: set[int], pad_id: int | None) -> list[int]:
+    """Generated tokens of one row up to and including the first EOS (padding after it dropped)."""
+    tokens = row.tolist()
+    for i, tok in enumerate(tokens):
+        if tok in eos_ids:
+            return tokens[: i + 1]
+    if pad_id is not None and pad_id not in eos_ids:
+        while tokens and tokens[-1] == pad_id:
+            tokens.pop()
+    return tokens
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def _batches(prompts: list[BenchPrompt], batch_size: int) -> list[list[BenchPrompt]]:
+    by_category = defaultdict(list)
+    for p in prompts:
+        by_category[p.category].append(p)
+    return [rows[i : i + batch_size] for rows in by_category.values() for i in range(0, len(rows), batch_size)]
+
+
+def _method_kwargs(method: str, model, tokenizer, pld_tokens: int) -> tuple[dict, bool]:
+    """`generate` keyword arguments for a method, and whether it supports batch > 1."""
+    if method == "vanilla":
+        return {}, True
+    if method == "pld":
+        # transformers' assisted generation (prompt lookup included) refuses batch > 1.
+        return {"prompt_lookup_num_tokens": pld_tokens}, False
+    name, _, artifact = method.partition(":")
+    try:
+        from ..speculative import custom_generate
+        from ..speculative.drafters import build_drafter
+    except ImportError as err:
+        raise ValueError(f"unknown method {method!r}: the speculative engine is not available ({err})") from err
+    drafter = build_drafter(name, artifact or None, model, tokenizer)
+    return {"custom_generate": custom_generate, "drafter": drafter}, True
+
+
+def run_method(
+    method: str, model, tokenizer, prompts: list[BenchPrompt], batch_size: int, generate_kwargs: dict,
+    pld_tokens: int = 10, seed: int = 0,
+) -> MethodRun:
+    """Runs one method over all prompts (after a warm-up) and records outputs, times and target passes."""
+    extra, batched = _method_kwargs(method, model, tokenizer, pld_tokens)
+    run = MethodRun()
+    if batch_size > 1 and not batched:
+        run.note = f"{method} supports batch 1 only; it ran row by row"
+    step = batch_size if batched else 1
+    eos, pad = _eos_ids(model), tokenizer.pad_token_id
+    _generate(model, tokenizer, [prompts[0].text], {**generate_kwargs, "max_new_tokens": 8}, extra)  # warm-up
+    torch.manual_seed(seed)
+    counter = _ForwardCounter(model)
+    try:
+        batches = _batches(prompts, step)
+        for batch in tqdm(batches, desc=method, unit="batch", leave=False):
+            counter.calls = 0
+            start = time.perf_counter()
+            new_tokens = _generate(model, tokenizer, [p.text for p in batch], generate_kwargs, extra)
+            run.seconds[batch[0].category] += time.perf_counter() - start
+            run.passes[batch[0].category] += max(counter.calls - 1, 0)
+            for p, row in zip(batch, new_tokens):
+                run.outputs[p.question_id] = _trim(row, eos, pad)
+    finally:
+        counter.remove()
+    return run
+
+
+def _generate(model, tokenizer, texts: list[str], generate_kwargs: dict, extra: dict) -> torch.Tensor:
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    out = model.generate(**inputs, **generate_kwargs, **extra, pad_token_id=tokenizer.pad_token_id)
+    return out[:, inputs["input_ids"].shape[1] :]
+
+
+def summarize(runs: dict[str, MethodRun], prompts: list[BenchPrompt], batch_size: int, do_sample: bool) -> dict:
+    """Per-method and per-category figures, in the JSON layout of DESIGN.md ("JSON outputs")."""
+    categories = sorted({p.category for p in prompts})
+    ids_by_cat = {c: [p.question_id for p in prompts if p.category == c] for c in categories}
+    vanilla = runs.get("vanilla")
+
+    def figures(run: MethodRun, cats: list[str]) -> dict:
+        ids = [i for c in cats for i in ids_by_cat[c]]
+        tokens = sum(len(run.outputs[i]) for i in ids)
+        seconds = sum(run.seconds[c] for c in cats)
+        passes = sum(run.passes[c] for c in cats)
+        # Each row's first token comes from the prefill; the rest from the counted passes (rows share a pass).
+        rows_per_pass = batch_size if run.note is None else 1
+        after_prefill = tokens - len(ids)
+        out = {
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "mean_accepted": after_prefill / (passes * rows_per_pass) if passes else None,
+        }
+        if vanilla is not None:
+            base = sum(len(vanilla.outputs[i]) for i in ids) / sum(vanilla.seconds[c] for c in cats)
+            out["speedup"] = out["tokens_per_s"] / base
+        out["identical"] = None if do_sample or vanilla is None else all(
+            run.outputs[i] == vanilla.outputs[i] for i in ids
+        )
+        return out
+
+    methods = {}
+    for name, run in runs.items():
+        entry = figures(run, categories)
+        entry["per_category"] = {c: figures(run, [c]) for c in categories}
+        if run.note:
+            entry["note"] = run.note
+        methods[name] = entry
+    return methods
+
+
+def bench_generate(
+    model, tokenizer, prompts: list[BenchPrompt], methods: list[str], batch_size: int = 1, max_new_tokens: int = 128,
+    do_sample: bool = False, temperature: float = 0.7, pld_tokens: int = 10, seed: int = 0,
+) -> dict:
+    """Benchmarks generation methods side by side; returns the `bench generate --json` object (without `model`).
+
+    Args:
+        model (`PreTrainedModel`): the target model.
+        tokenizer (`PreTrainedTokenizerBase`): its tokenizer (left padding).
+        prompts (`list[BenchPrompt]`): from `hf_accel.eval.prompts.load_prompts`.
+        methods (`list[str]`): method names; `vanilla` is added first if missing (speedups are relative to it).
+        batch_size (`int`, *optional*, defaults to 1): prompts per `generate` call.
+        max_new_tokens (`int`, *optional*, defaults to 128): generation length cap.
+        do_sample (`bool`, *optional*, defaults to `False`): sample (with `temperature`) instead of greedy.
+        temperature (`float`, *optional*, defaults to 0.7): sampling temperature.
+        pld_tokens (`int`, *optional*, defaults to 10): `prompt_lookup_num_tokens` of the `pld` method.
+        seed (`int`, *optional*, defaults to 0): reseeded before each method.
+    """
+    if "vanilla" not in methods:
+        methods = ["vanilla", *methods]
+    methods = ["vanilla", *[m for m in methods if m != "vanilla"]]
+    generate_kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
+    if do_sample:
+        generate_kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        generate_kwargs.update(temperature=None, top_k=None, top_p=None)
+    runs = {m: run_method(m, model, tokenizer, prompts, batch_size, generate_kwargs, pld_tokens, seed) for m in methods}
+    return {
+        "prompts": len(prompts),
+        "batch_size": batch_size,
+        "do_sample": do_sample,
+        "max_new_tokens": max_new_tokens,
+        "methods": summarize(runs, prompts, batch_size, do_sample),
+    }

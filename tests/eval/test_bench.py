@@ -1,0 +1,77 @@
+"""The benchmark harness and the CLI on the embedded default model (shared session instance)."""
+
+import json
+
+import pytest
+
+from hf_accel.cli import main
+from hf_accel.eval.bench import bench_generate, summarize, MethodRun
+from hf_accel.eval.prompts import BenchPrompt, load_prompts
+
+
+@pytest.mark.slow
+def test_bench_generate_reports_design_keys(default_model):
+    model, tokenizer = default_model
+    prompts = load_prompts("humaneval", tokenizer, limit=2)
+    result = bench_generate(model, tokenizer, prompts, ["pld"], batch_size=2, max_new_tokens=12)
+    assert set(result["methods"]) == {"vanilla", "pld"}
+    for figures in result["methods"].values():
+        assert {"tokens_per_s", "speedup", "mean_accepted", "identical", "per_category"} <= set(figures)
+        assert figures["identical"] is True  # greedy prompt lookup is lossless
+        assert set(figures["per_category"]) == {"humaneval"}
+    assert result["methods"]["vanilla"]["speedup"] == 1.0
+    assert result["methods"]["vanilla"]["mean_accepted"] == pytest.approx(1.0)
+    assert "row by row" in result["methods"]["pld"]["note"]
+
+
+def test_summarize_speedup_and_identity_by_hand():
+    prompts = [BenchPrompt("a", "x", ""), BenchPrompt("b", "y", "")]
+    vanilla = MethodRun(outputs={"a": [1, 2, 3, 4], "b": [5, 6]})
+    vanilla.seconds.update(x=2.0, y=1.0)
+    vanilla.passes.update(x=3, y=1)
+    fast = MethodRun(outputs={"a": [1, 2, 3, 4], "b": [5, 7]})
+    fast.seconds.update(x=1.0, y=1.0)
+    fast.passes.update(x=1, y=1)
+    out = summarize({"vanilla": vanilla, "fast": fast}, prompts, batch_size=1, do_sample=False)
+    assert out["vanilla"]["tokens_per_s"] == pytest.approx(6 / 3.0)
+    assert out["fast"]["speedup"] == pytest.approx((6 / 2.0) / (6 / 3.0))
+    assert out["fast"]["per_category"]["x"] == {
+        "tokens": 4, "seconds": 1.0, "tokens_per_s": 4.0, "mean_accepted": 3.0, "speedup": 2.0, "identical": True,
+    }
+    assert out["fast"]["per_category"]["y"]["identical"] is False
+    assert out["fast"]["identical"] is False
+    assert out["vanilla"]["mean_accepted"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["eval", "ppl", "--model", "/no/such/dir", "--text", "pyproject.toml"], "not a directory"),
+    (["eval", "ppl", "--text", "/no/such/file.txt"], "not found"),
+    (["eval", "ppl", "--text", "pyproject.toml", "--seq-len", "0"], "must be positive"),
+    (["bench", "generate", "--prompts", "/no/such.jsonl"], "not found"),
+    (["bench", "generate", "--prompts", "humaneval", "--methods", ","], "empty"),
+])
+def test_cli_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_bad_hub_id_offline_is_one_line(capsys, tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"question_id": 1, "category": "qa", "turns": ["hi"]}\n')
+    assert main(["bench", "generate", "--model", "nobody/no-such-model-xyz", "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot load model 'nobody/no-such-model-xyz'" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_cli_ppl_and_demo_json(default_model, shakespeare_text, capsys, tmp_path):
+    (tmp_path / "t.txt").write_text(shakespeare_text[:3000])
+    assert main(["eval", "ppl", "--text", str(tmp_path / "t.txt"), "--seq-len", "128", "--max-tokens", "300",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"model", "ppl", "tokens", "seq_len"} <= set(result)
+    assert result["tokens"] == 127 + 127 + 43 and 1 < result["ppl"] < 1000
+    assert main(["demo", "--max-new-tokens", "4", "--json"]) == 0
+    demo = json.loads(capsys.readouterr().out)
+    # fp32 GQA cache of SmolLM2: 30 layers x (K + V) x 3 KV heads x 64 dims x 4 bytes
+    assert all(r["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4 for r in demo["rows"])

@@ -1,0 +1,73 @@
+import math
+
+import pytest
+import torch
+
+from hf_accel.eval.perplexity import compute_perplexity, read_eval_text, split_windows
+from tests.conftest import make_tiny_llama
+
+
+class ByteTokenizer:
+    """Maps each character to one token id below the tiny model's vocabulary (no special tokens)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 90 for c in text]}
+
+
+def brute_force_ppl(model, ids: list[int], seq_len: int) -> tuple[float, int]:
+    """exp(mean NLL) computed token by token with explicit softmaxes, window by window."""
+    total, count = 0.0, 0
+    for start in range(0, len(ids), seq_len):
+        window = ids[start : start + seq_len]
+        if len(window) < 2:
+            continue
+        logits = model(torch.tensor([window])).logits[0].double()
+        for t in range(len(window) - 1):
+            probs = torch.exp(logits[t]) / torch.exp(logits[t]).sum()
+            total -= math.log(probs[window[t + 1]].item())
+            count += 1
+    return math.exp(total / count), count
+
+
+def test_split_windows_keeps_tail_of_two_or_more():
+    ids = torch.arange(10)
+    assert [w.tolist() for w in split_windows(ids, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [w.numel() for w in split_windows(torch.arange(9), 4)] == [4, 4]  # a one-token tail predicts nothing
+    with pytest.raises(ValueError, match="seq_len"):
+        split_windows(ids, 1)
+
+
+@pytest.mark.parametrize("seq_len,batch_size,max_tokens", [(16, 4, None), (7, 2, None), (16, 3, 40)])
+def test_perplexity_matches_hand_computation(seq_len, batch_size, max_tokens):
+    model = make_tiny_llama()
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer."
+    result = compute_perplexity(model, ByteTokenizer(), text, seq_len, max_tokens, batch_size, progress=False)
+    ids = ByteTokenizer()(text)["input_ids"][:max_tokens]
+    expected, count = brute_force_ppl(model, ids, seq_len)
+    assert result["tokens"] == count
+    assert result["seq_len"] == seq_len
+    assert result["ppl"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_perplexity_rejects_too_short_text():
+    with pytest.raises(ValueError, match="too short"):
+        compute_perplexity(make_tiny_llama(), ByteTokenizer(), "a", 8, progress=False)
+
+
+def test_read_eval_text_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_eval_text(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="empty"):
+        read_eval_text(str(tmp_path / "empty.txt"))
+    with pytest.raises(ValueError, match="exactly one"):
+        read_eval_text()
+
+
+def test_read_eval_text_from_saved_dataset(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["first line", "second line"]}).save_to_disk(str(tmp_path / "ds"))
+    assert read_eval_text(dataset=str(tmp_path / "ds")) == "first line\nsecond line"
+    with pytest.raises(ValueError, match="no column"):
+        read_eval_text(dataset=str(tmp_path / "ds"), column="content")
