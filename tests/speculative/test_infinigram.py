@@ -1,0 +1,124 @@
+import numpy as np
+import pytest
+import torch
+
+from hf_accel.speculative import custom_generate
+from hf_accel.speculative.drafters.index import InfinigramIndex, build_index, tokenizer_fingerprint
+from hf_accel.speculative.drafters.infinigram import (
+    InfinigramConfig,
+    InfinigramDrafter,
+    build_weighted_trie,
+    context_matches,
+    select_tree_nodes,
+)
+
+
+class FakeTokenizer:
+    def __init__(self, vocab_size, name="fake", shift=0):
+        self.vocab = {f"t{i + shift}": i for i in range(vocab_size)}
+        self.name_or_path = name
+
+    def get_vocab(self):
+        return self.vocab
+
+
+def _brute_longest_suffix(docs, context):
+    best = 0
+    for m in range(1, len(context) + 1):
+        pattern = list(context[-m:])
+        if any(doc[i : i + m] == pattern for doc in docs for i in range(len(doc) - m + 1)):
+            best = m
+        else:
+            break
+    return best
+
+
+def _brute_continuations(docs, context, m, depth):
+    pattern, out = list(context[-m:]), []
+    for doc in docs:
+        for i in range(len(doc) - m + 1):
+            if doc[i : i + m] == pattern:
+                out.append(tuple(doc[i + m : i + m + depth]))
+    return sorted(out)
+
+
+@pytest.fixture
+def small_index(tmp_path):
+    rng = np.random.default_rng(0)
+    # Ids beyond 65,535 on purpose: 32-bit storage.
+    alphabet = np.array([3, 7, 70000, 70001, 123456])
+    docs = [rng.choice(alphabet, size=rng.integers(5, 40)).tolist() for _ in range(30)]
+    name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(200000))
+    build_index(docs, tmp_path / "idx", name, vocab_hash, vocab_size, sources=["unit"])
+    return docs, InfinigramIndex(tmp_path / "idx")
+
+
+def test_index_round_trip_matches_brute_force(small_index):
+    docs, index = small_index
+    assert index.header.num_documents == 30 and index.header.num_tokens == sum(map(len, docs)) + 30
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        doc = docs[rng.integers(len(docs))]
+        start = rng.integers(len(doc))
+        context = doc[max(0, start - 12) : start + 1] if rng.random() < 0.7 else rng.choice([3, 7, 70000], 6).tolist()
+        m, lo, hi = index.longest_suffix(context)
+        assert m == _brute_longest_suffix(docs, context)
+        if m:
+            conts = index.continuations(lo, hi, m, depth=4, max_support=10**6)
+            got = sorted(tuple(int(t) for t in row if t >= 0) for row in conts)
+            assert got == _brute_continuations(docs, context, m, 4)
+
+
+def test_unknown_token_and_empty_context(small_index):
+    _, index = small_index
+    assert index.longest_suffix([]) == (0, 0, 0)
+    assert index.longest_suffix([5]) == (0, 0, 0)
+
+
+def test_tokenizer_mismatch_is_refused(small_index):
+    _, index = small_index
+    index.check_tokenizer(FakeTokenizer(200000))
+    with pytest.raises(ValueError, match="different tokenizer|vocabulary hash"):
+        index.check_tokenizer(FakeTokenizer(200000, shift=1))
+    with pytest.raises(ValueError, match="Rebuild the index"):
+        InfinigramDrafter(index, tokenizer=FakeTokenizer(1000))
+
+
+def test_context_matches_brute_force():
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        context = rng.integers(0, 4, size=rng.integers(2, 40))
+        ends, lengths = context_matches(context, max_match=64)
+        expected = {}
+        for i in range(len(context) - 1):
+            length = 0
+            while length <= i and context[i - length] == context[len(context) - 1 - length]:
+                length += 1
+            if length:
+                expected[i] = length
+        assert dict(zip(ends.tolist(), lengths.tolist())) == expected
+
+
+def test_trie_and_selection():
+    tokens, parents, weights = build_weighted_trie([[1, 2, 3], [1, 2, 4], [5]], [1.0, 2.0, 0.5])
+    assert tokens == [1, 2, 3, 4, 5] and parents == [-1, 0, 1, 1, -1] and weights == [3.0, 3.0, 1.0, 2.0, 0.5]
+    scores = [w / 3.5 for w in weights]
+    assert select_tree_nodes(parents, scores, 3, 0.1, chain=False) == [0, 1, 3]
+    assert select_tree_nodes(parents, scores, 8, 0.1, chain=True) == [0, 1, 3]
+    assert select_tree_nodes(parents, scores, 8, 0.0, chain=False) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_infinigram_greedy_identity_tiny_model(tiny_llama, tmp_path, tree):
+    """Context-only and indexed drafting never change greedy output (batch 3, ragged)."""
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 5, 6], [8, 9, 10, 8, 9, 10, 8], [0, 11, 12, 13, 11, 12, 13]])
+    attention_mask = (input_ids != 0).long()
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=30, do_sample=False)
+    reference = tiny_llama.generate(**kwargs)
+    name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(97))
+    build_index([row.tolist() for row in reference], tmp_path / "idx", name, vocab_hash, vocab_size)
+    for index in (None, tmp_path / "idx"):
+        drafter = InfinigramDrafter(index, FakeTokenizer(97), InfinigramConfig(tree=tree))
+        out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+        assert torch.equal(out, reference)
+    assert out.speculative_stats.mean_accepted > 3  # the index holds these very outputs
