@@ -22,6 +22,7 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo(commands)
     add_eval(commands)  # `eval ppl` and `bench generate`
+    __import__("hf_accel.speculative.cli", fromlist=["add_cli"]).add_cli(commands)  # `index build`
     return parser
 
 

@@ -122,3 +122,28 @@ def test_infinigram_greedy_identity_tiny_model(tiny_llama, tmp_path, tree):
         out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
         assert torch.equal(out, reference)
     assert out.speculative_stats.mean_accepted > 3  # the index holds these very outputs
+
+
+def test_registry_and_index_build_cli(tmp_path, capsys):
+    import json
+
+    from hf_accel.cli import main
+    from hf_accel.speculative.drafters import available_drafters, build_drafter
+
+    assert "ngram" in available_drafters()
+    with pytest.raises(ValueError, match="unknown drafter"):
+        build_drafter("nope", None, None, None)
+    text = tmp_path / "a.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 20)
+    assert main(["index", "build", "--out", str(tmp_path / "idx"), "--text", str(text), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens"] > 100 and result["documents"] == 1 and result["build_tokens_per_s"] > 0
+    from transformers import AutoTokenizer
+
+    from hf_accel.loading import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    drafter = build_drafter("ngram", str(tmp_path / "idx"), None, tokenizer)
+    assert drafter.index.header.num_documents == 1
+    with pytest.raises(ValueError, match="Rebuild the index"):
+        build_drafter("ngram", str(tmp_path / "idx"), None, FakeTokenizer(49152))
