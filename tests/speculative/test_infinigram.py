@@ -147,3 +147,15 @@ def test_registry_and_index_build_cli(tmp_path, capsys):
     assert drafter.index.header.num_documents == 1
     with pytest.raises(ValueError, match="Rebuild the index"):
         build_drafter("ngram", str(tmp_path / "idx"), None, FakeTokenizer(49152))
+
+
+def test_width_choice_follows_the_cost_model():
+    from hf_accel.speculative.drafters.infinigram import choose_tree_width, relative_pass_cost
+
+    cost = ((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1))
+    assert relative_pass_cost(1, cost) == 1.0 and relative_pass_cost(24, cost) == pytest.approx(1.725)
+    assert relative_pass_cost(96, cost) == pytest.approx(6.2)
+    assert choose_tree_width([[0.2]], cost, 16) == 0  # 1.2 tokens for 1.3x the time: not worth it
+    assert choose_tree_width([[0.9, 0.8, 0.7] + [0.05] * 13], cost, 16) == 15  # nearly free up to 16 tokens
+    # batch 8: the padded width multiplies the pass size
+    assert choose_tree_width([[0.9, 0.6, 0.3, 0.1]] * 8, cost, 16) == 2

@@ -43,8 +43,10 @@ class InfinigramConfig:
     Args:
         max_depth (`int`): deepest draft node (the spec's 16-token lookahead).
         max_nodes (`int`): draft nodes per row at batch size 1 (a 16-node tree is nearly free on CPU).
-        max_batch_tokens (`int`): cap on draft nodes summed over the batch (a pass over 8 x 16 nodes is not free).
-        threshold (`float`): minimum node score (confidence) to be drafted.
+        threshold (`float`): minimum node score (confidence) for a node to be considered at all.
+        verify_cost (`tuple`): `(tokens in the pass, relative cost)` points of the target's pass cost, linearly
+            interpolated (and extrapolated past the last point). Defaults: issue 6's CPU measurements of the
+            default model (n = 1: 63 ms; 2-16: 82-92 ms; 32: 126 ms; 64: 259 ms).
         alpha (`float`): log-weight per matched token of an occurrence.
         match_cap (`int`): match lengths above this weigh the same.
         context_weight (`float`): extra weight of occurrences in the row's own context.
@@ -60,8 +62,8 @@ class InfinigramConfig:
 
     max_depth: int = 16
     max_nodes: int = 16
-    max_batch_tokens: int = 48
-    threshold: float = 0.1
+    threshold: float = 0.02
+    verify_cost: tuple = ((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1))
     alpha: float = 1.0
     match_cap: int = 8
     context_weight: float = 2.0
@@ -150,6 +152,38 @@ def select_tree_nodes(parents: list[int], scores: list[float], max_nodes: int, t
     return sorted(chosen)  # node order keeps parents before children
 
 
+def relative_pass_cost(num_tokens: int, verify_cost) -> float:
+    """Piecewise-linear interpolation of `verify_cost` points `(tokens, cost)`, extrapolated past the last one."""
+    points = sorted(verify_cost)
+    if num_tokens <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if num_tokens <= x1:
+            return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) * (num_tokens - x1) / (x1 - x0)
+
+
+def choose_tree_width(row_scores: list[list[float]], verify_cost, max_nodes: int) -> int:
+    """Draft nodes per row `w` maximising expected tokens per unit of target time.
+
+    Rows of a batch are padded to the same width, so a pass costs `cost(batch_size * (w + 1))` whatever the rows
+    hold, and yields `sum_b (1 + sum of row b's w best scores)` tokens if scores are acceptance probabilities
+    (expected accepted length = sum over nodes of P(node's path accepted), plus the bonus token).
+    """
+    batch_size = len(row_scores)
+    best_width, best_rate = 0, batch_size / relative_pass_cost(batch_size, verify_cost)
+    gains = [0.0] * batch_size
+    for width in range(1, max_nodes + 1):
+        for b, scores in enumerate(row_scores):
+            if width <= len(scores):
+                gains[b] += scores[width - 1]
+        rate = (batch_size + sum(gains)) / relative_pass_cost(batch_size * (width + 1), verify_cost)
+        if rate > best_rate:
+            best_width, best_rate = width, rate
+    return best_width
+
+
 class InfinigramDrafter:
     """Drafts from an Infinigram index (optional) and the row's own context.
 
@@ -182,21 +216,23 @@ class InfinigramDrafter:
     def propose(self, request) -> DraftTree | None:
         batch_size = len(request.rows)
         cfg = self.config
-        per_row = max(1, min(cfg.max_nodes, cfg.max_batch_tokens // batch_size))
-        trees = []
+        drafts = []
         for b in range(batch_size):
             context = request.context(b).cpu().numpy().astype(np.int64)
             depth = int(min(cfg.max_depth, int(request.max_depth[b])))
-            trees.append(self.draft_row(context, depth, per_row) if depth > 0 else ([], []))
-        if not any(tokens for tokens, _ in trees):
+            drafts.append(self.draft_row(context, depth, cfg.max_nodes) if depth > 0 else ([], [], []))
+        width = choose_tree_width([scores for _, _, scores in drafts], cfg.verify_cost, cfg.max_nodes)
+        if width == 0:
             return None
+        # Each row's nodes are in decreasing-score order, closed under parents: a prefix is a subtree.
+        trees = [(tokens[:width], parents[:width]) for tokens, parents, _ in drafts]
         return DraftTree.from_parent_lists(trees, device=request.sequences.device)
 
-    def draft_row(self, context: np.ndarray, depth: int, max_nodes: int) -> tuple[list[int], list[int]]:
-        """`(tokens, parents)` of one row's draft (drafter-facing numbering)."""
+    def draft_row(self, context: np.ndarray, depth: int, max_nodes: int) -> tuple[list[int], list[int], list[float]]:
+        """`(tokens, parents, scores)` of one row's candidate nodes, by decreasing score (drafter numbering)."""
         groups = self._match_groups(context, depth)
         if not groups:
-            return [], []
+            return [], [], []
         cfg = self.config
         continuations, weights = [], []
         total = cfg.prior
@@ -210,8 +246,12 @@ class InfinigramDrafter:
         tokens, parents, node_weights = build_weighted_trie(continuations, weights)
         scores = [w / total for w in node_weights]
         chosen = select_tree_nodes(parents, scores, max_nodes, cfg.threshold, chain=not cfg.tree)
+        # By decreasing score, parents first (a child never scores higher); a chain is already in that order.
+        chosen = sorted(chosen, key=lambda n: (-scores[n], n)) if cfg.tree else chosen
         position = {node: i for i, node in enumerate(chosen)}
-        return [tokens[n] for n in chosen], [position.get(parents[n], -1) for n in chosen]
+        return (
+            [tokens[n] for n in chosen], [position.get(parents[n], -1) for n in chosen], [scores[n] for n in chosen]
+        )
 
     def _match_groups(self, context: np.ndarray, depth: int) -> list[tuple[int, bool, list[list[int]]]]:
         """`(match_length, from_context, continuations)` groups: the index's longest match, and the context's
