@@ -53,7 +53,11 @@ def small_index(tmp_path):
     return docs, InfinigramIndex(tmp_path / "idx")
 
 
-def test_index_round_trip_matches_brute_force(small_index):
+@pytest.mark.parametrize("dense_range", [2048, 1])  # 1: every range takes the binary-search path
+def test_index_round_trip_matches_brute_force(small_index, monkeypatch, dense_range):
+    from hf_accel.speculative.drafters import index as index_module
+
+    monkeypatch.setattr(index_module, "_DENSE_RANGE", dense_range)
     docs, index = small_index
     assert index.header.num_documents == 30 and index.header.num_tokens == sum(map(len, docs)) + 30
     rng = np.random.default_rng(1)
@@ -100,12 +104,16 @@ def test_context_matches_brute_force():
 
 
 def test_trie_and_selection():
-    tokens, parents, weights = build_weighted_trie([[1, 2, 3], [1, 2, 4], [5]], [1.0, 2.0, 0.5])
-    assert tokens == [1, 2, 3, 4, 5] and parents == [-1, 0, 1, 1, -1] and weights == [3.0, 3.0, 1.0, 2.0, 0.5]
+    conts = np.array([[1, 2, 3], [1, 2, 4], [5, -1, -1]])
+    tokens, parents, weights = build_weighted_trie(conts, np.array([1.0, 2.0, 0.5]))
+    # level order: (root,1) (root,5) | (0,2) | (2,3) (2,4)
+    assert tokens == [1, 5, 2, 3, 4] and parents == [-1, -1, 0, 2, 2] and weights == [3.0, 0.5, 3.0, 1.0, 2.0]
     scores = [w / 3.5 for w in weights]
-    assert select_tree_nodes(parents, scores, 3, 0.1, chain=False) == [0, 1, 3]
-    assert select_tree_nodes(parents, scores, 8, 0.1, chain=True) == [0, 1, 3]
+    assert select_tree_nodes(parents, scores, 3, 0.1, chain=False) == [0, 2, 4]
+    assert select_tree_nodes(parents, scores, 8, 0.1, chain=True) == [0, 2, 4]
     assert select_tree_nodes(parents, scores, 8, 0.0, chain=False) == [0, 1, 2, 3, 4]
+    pruned = build_weighted_trie(conts, np.array([1.0, 2.0, 0.5]), min_weight=1.5)
+    assert pruned == ([1, 2, 4], [-1, 0, 1], [3.0, 3.0, 2.0])
 
 
 @pytest.mark.parametrize("tree", [False, True])

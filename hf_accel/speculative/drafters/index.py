@@ -29,7 +29,9 @@ import numpy as np
 INDEX_FORMAT_VERSION = 1
 SEPARATOR = np.uint32(0xFFFFFFFF)
 # Ranges narrower than this are narrowed with one vectorised read; wider ones with a scalar binary search.
-_DENSE_RANGE = 4096
+_DENSE_RANGE = 2048
+# Ranges this small are finished with one read of every candidate's whole common prefix.
+_FEW = 32
 
 
 @dataclass
@@ -145,43 +147,73 @@ class InfinigramIndex:
         return np.where(index >= 0, values, -1)
 
     def _narrow(self, lo: int, hi: int, offset: int, token: int) -> tuple[int, int]:
-        """Sub-range of `[lo, hi)` whose reversed suffixes have `token` at `offset` (all share `offset` tokens)."""
-        if hi - lo <= _DENSE_RANGE:
-            values = self._reversed_token(np.asarray(self.suffix_array[lo:hi]), offset)
-            return lo + int(np.searchsorted(values, token, "left")), lo + int(np.searchsorted(values, token, "right"))
+        """Sub-range of a small `[lo, hi)` whose reversed suffixes have `token` at `offset` (one vectorised read)."""
+        values = self._reversed_token(np.asarray(self.suffix_array[lo:hi]), offset)
+        return lo + int(np.searchsorted(values, token, "left")), lo + int(np.searchsorted(values, token, "right"))
 
-        def bound(strict: bool) -> int:
-            a, b = lo, hi
-            while a < b:
-                mid = (a + b) // 2
-                value = int(self._reversed_token(np.asarray(self.suffix_array[mid : mid + 1]), offset)[0])
-                if value < token or (strict and value == token):
-                    a = mid + 1
-                else:
-                    b = mid
-            return a
+    def _compare(self, sa_index: int, pattern: np.ndarray) -> tuple[int, int]:
+        """`(lcp, order)` of the reversed suffix at `sa_index` against `pattern`: their longest common prefix and
+        -1 / 0 / +1 if the suffix sorts before / starts with / sorts after the pattern."""
+        start = self.num_tokens - int(self.suffix_array[sa_index])  # reversed suffix = tokens[:start][::-1]
+        window = np.asarray(self.tokens[max(0, start - len(pattern)) : start][::-1]).astype(np.int64)
+        differ = np.nonzero(window != pattern[: len(window)])[0]
+        if len(differ):
+            lcp = int(differ[0])
+            return lcp, -1 if window[lcp] < pattern[lcp] else 1
+        return len(window), 0 if len(window) == len(pattern) else -1  # a shorter suffix sorts first
 
-        return bound(False), bound(True)
+    def _bound(self, lo: int, hi: int, pattern: np.ndarray, upper: bool) -> int:
+        """First index in `[lo, hi)` whose suffix sorts after (`upper`) / not before the pattern as a prefix."""
+        while lo < hi:
+            mid = (lo + hi) // 2
+            _, order = self._compare(mid, pattern)
+            if order < 0 or (upper and order == 0):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def longest_suffix(self, context: Sequence[int], max_match: int = 64) -> tuple[int, int, int]:
         """Longest suffix of `context` occurring in the index: `(match_length, lo, hi)`, its suffix-array range.
 
-        `match_length == 0` means not even the last token occurs (`lo == hi == 0`).
+        `match_length == 0` means not even the last token occurs (`lo == hi == 0`). Small ranges are narrowed one
+        token at a time; in a wide range the reversed context is binary-searched whole, and the longest match is
+        the longer common prefix with the suffixes on either side of its insertion point.
         """
-        context = np.asarray(context, dtype=np.int64)
-        if len(context) == 0 or not 0 <= context[-1] < len(self.first) - 1:
+        pattern = np.asarray(context, dtype=np.int64)[::-1][:max_match]
+        if len(pattern) == 0 or not 0 <= pattern[0] < len(self.first) - 1:
             return 0, 0, 0
-        last = int(context[-1])
-        lo, hi = int(self.first[last]), int(self.first[last + 1])
+        lo, hi = int(self.first[pattern[0]]), int(self.first[pattern[0] + 1])
         if lo == hi:
             return 0, 0, 0
         length = 1
-        while length < min(max_match, len(context)):
-            new_lo, new_hi = self._narrow(lo, hi, length, int(context[-1 - length]))
+        if hi - lo > _DENSE_RANGE and len(pattern) > 1:
+            insert = self._bound(lo, hi, pattern, upper=False)
+            length = max(self._compare(i, pattern)[0] for i in (insert - 1, insert) if lo <= i < hi)
+            prefix = pattern[:length]
+            lo, hi = self._bound(lo, insert, prefix, upper=False), self._bound(insert, hi, prefix, upper=True)
+        while length < len(pattern) and _FEW < hi - lo <= _DENSE_RANGE:
+            new_lo, new_hi = self._narrow(lo, hi, length, int(pattern[length]))
             if new_lo >= new_hi:
-                break
+                return length, lo, hi
             lo, hi, length = new_lo, new_hi, length + 1
+        if length < len(pattern) and hi - lo <= _FEW:
+            return self._finish_few(lo, hi, pattern)
         return length, lo, hi
+
+    def _finish_few(self, lo: int, hi: int, pattern: np.ndarray) -> tuple[int, int, int]:
+        """Longest match among a few candidates at once: full common prefixes, one vectorised read.
+
+        Candidates are sorted, so those sharing the longest common prefix form a contiguous block.
+        """
+        starts = self.num_tokens - np.asarray(self.suffix_array[lo:hi]).astype(np.int64)
+        index = starts[:, None] - 1 - np.arange(len(pattern))[None, :]  # reversed suffix, token by token
+        windows = np.where(index >= 0, self.tokens[np.clip(index, 0, None)].astype(np.int64), -1)
+        mismatch = windows != pattern[None, :]
+        lcp = np.where(mismatch.any(1), mismatch.argmax(1), len(pattern))
+        best = int(lcp.max())
+        block = np.nonzero(lcp == best)[0]
+        return best, lo + int(block[0]), lo + int(block[-1]) + 1
 
     def continuations(self, lo: int, hi: int, match_length: int, depth: int, max_support: int = 1000) -> np.ndarray:
         """Continuations of the occurrences in `[lo, hi)`: `int64[count, depth]`, `-1` after a document end.

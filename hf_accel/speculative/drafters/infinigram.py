@@ -107,26 +107,37 @@ def context_matches(context: np.ndarray, max_match: int = 64, min_match: int = 1
     return ends[keep], lengths[keep]
 
 
-def build_weighted_trie(continuations: list[list[int]], weights: list[float]):
-    """Merges weighted token sequences into a trie: `(tokens, parents, node_weights)` in insertion order.
+def build_weighted_trie(continuations: np.ndarray, weights: np.ndarray, min_weight: float = 0.0):
+    """Merges weighted token sequences into a trie, level by level (vectorised).
 
-    `parents` uses the drafter-facing numbering (`-1` = root). A node's weight is the sum of the weights of the
-    sequences that pass through it; parents come before children.
+    Args:
+        continuations (`np.ndarray` of shape `(n, depth)`): token ids, `-1` after a sequence's end.
+        weights (`np.ndarray` of shape `(n,)`): weight of each sequence.
+        min_weight (`float`): nodes lighter than this are pruned with their subtrees (they could not be drafted).
+
+    Returns:
+        `tuple`: `tokens`, `parents` (drafter-facing numbering, `-1` = root) and `node_weights` lists, parents before
+        children; a node's weight is the sum of the weights of the sequences through it.
     """
-    tokens, parents, node_weights, children = [], [], [], {}
-    for sequence, weight in zip(continuations, weights):
-        node = -1
-        for token in sequence:
-            key = (node, token)
-            child = children.get(key)
-            if child is None:
-                child = len(tokens)
-                children[key] = child
-                tokens.append(token)
-                parents.append(node)
-                node_weights.append(0.0)
-            node_weights[child] += weight
-            node = child
+    tokens, parents, node_weights = [], [], []
+    node_of_row = np.full(len(continuations), -1, dtype=np.int64)  # current trie node of each sequence
+    alive = np.arange(len(continuations))
+    for j in range(continuations.shape[1] if continuations.ndim == 2 else 0):
+        alive = alive[continuations[alive, j] >= 0]
+        if len(alive) == 0:
+            break
+        keys = (node_of_row[alive] + 1) << 32 | continuations[alive, j]  # (parent, token) as one int64
+        unique, inverse = np.unique(keys, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        mass = np.bincount(inverse, weights=weights[alive], minlength=len(unique))
+        keep = mass >= min_weight
+        new_ids = np.full(len(unique), -1, dtype=np.int64)
+        new_ids[keep] = len(tokens) + np.arange(int(keep.sum()))
+        tokens += (unique[keep] & 0xFFFFFFFF).tolist()
+        parents += ((unique[keep] >> 32) - 1).tolist()
+        node_weights += mass[keep].tolist()
+        node_of_row[alive] = new_ids[inverse]
+        alive = alive[new_ids[inverse] >= 0]
     return tokens, parents, node_weights
 
 
@@ -234,16 +245,18 @@ class InfinigramDrafter:
         if not groups:
             return [], [], []
         cfg = self.config
-        continuations, weights = [], []
         total = cfg.prior
+        weights = []
         for length, is_context, conts in groups:
             # Group vote: longer matches and more occurrences weigh more; split evenly among the occurrences.
             vote = math.exp(cfg.alpha * min(length, cfg.match_cap)) * len(conts) / (len(conts) + cfg.support_prior)
             vote *= cfg.context_weight if is_context else 1.0
             total += vote
-            continuations += conts
-            weights += [vote / len(conts)] * len(conts)
-        tokens, parents, node_weights = build_weighted_trie(continuations, weights)
+            weights.append(np.full(len(conts), vote / len(conts)))
+        continuations = np.concatenate([conts for _, _, conts in groups])
+        tokens, parents, node_weights = build_weighted_trie(
+            continuations, np.concatenate(weights), min_weight=cfg.threshold * total
+        )
         scores = [w / total for w in node_weights]
         chosen = select_tree_nodes(parents, scores, max_nodes, cfg.threshold, chain=not cfg.tree)
         # By decreasing score, parents first (a child never scores higher); a chain is already in that order.
@@ -253,26 +266,26 @@ class InfinigramDrafter:
             [tokens[n] for n in chosen], [position.get(parents[n], -1) for n in chosen], [scores[n] for n in chosen]
         )
 
-    def _match_groups(self, context: np.ndarray, depth: int) -> list[tuple[int, bool, list[list[int]]]]:
-        """`(match_length, from_context, continuations)` groups: the index's longest match, and the context's
-        occurrences grouped by match length (continuations cut at document ends, empty ones dropped)."""
+    def _match_groups(self, context: np.ndarray, depth: int) -> list[tuple[int, bool, np.ndarray]]:
+        """`(match_length, from_context, continuations [n, depth])` groups: the index's longest match, and the
+        context's occurrences grouped by match length (`-1` after a document end or the context's end)."""
         cfg = self.config
         groups = []
         if self.index is not None:
             length, lo, hi = self.index.longest_suffix(context, cfg.max_match)
             if length >= cfg.min_match:
-                rows = self.index.continuations(lo, hi, length, depth, cfg.max_support)
-                conts = [row[row >= 0].tolist() for row in rows]
-                conts = [c for c in conts if c]
-                if conts:
+                conts = self.index.continuations(lo, hi, length, depth, cfg.max_support)
+                conts = conts[conts[:, 0] >= 0]
+                if len(conts):
                     groups.append((length, False, conts))
         if cfg.use_context:
             ends, lengths = context_matches(context, cfg.max_match, cfg.min_match)
             order = np.lexsort((-ends, -lengths))[: cfg.max_context_occurrences]  # longest, then most recent
-            by_length = {}
-            for end, length in zip(ends[order].tolist(), lengths[order].tolist()):
-                cont = context[end + 1 : end + 1 + depth].tolist()
-                if cont:
-                    by_length.setdefault(length, []).append(cont)
-            groups += [(length, True, conts) for length, conts in by_length.items()]
+            ends, lengths = ends[order], lengths[order]
+            index = ends[:, None] + 1 + np.arange(depth)[None, :]
+            conts = np.where(index < len(context), context[np.clip(index, 0, len(context) - 1)], -1)
+            for length in np.unique(lengths):
+                group = conts[(lengths == length) & (conts[:, 0] >= 0)]
+                if len(group):
+                    groups.append((int(length), True, group))
         return groups
