@@ -333,7 +333,12 @@ class SpeculativeEngine:
         node_valid &= depths[:, :num_nodes] <= (state.max_length - state.lengths[state.rows])[:, None] - 1
         self.stats.draft_nodes += int(node_valid[:, 1:].sum())
 
-        mask = build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype)
+        if parent.shape[1] == 1:
+            # No draft: exactly `generate`'s decoding step (2D mask, or none without padding/holes): same kernels,
+            # same cost, same logits as plain decoding.
+            mask = None if bool(state.past_mask.all()) else torch.cat([state.past_mask, node_valid], 1).long()
+        else:
+            mask = build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype)
         positions = tree_position_ids(depths, state.next_position)
         if tree.num_aux:
             embeds = self.model.get_input_embeddings()(tree_ids)
