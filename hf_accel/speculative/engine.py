@@ -41,7 +41,8 @@ rows are removed from the batch (cache rows dropped) instead of being carried al
 - Finished rows are right-padded with `pad_token_id` (falling back to the first EOS id, then 0), like `generate`
   with an EOS criterion; `generate` without one keeps sampling for rows stopped by a stop string, we do not.
 - Logits processors that read the context (repetition penalty, min-length, ...) are applied per node with that
-  node's own path as context (exact); processors known to ignore the context are applied once to all nodes.
+  node's own path as context, in a batch of the original size (exact, slow: one call per node); processors known to
+  ignore the context (temperature, top-k/p, ...) are applied once to all nodes.
 - Greedy mode is "argmax of the processed logits", as in `generate`; a node is accepted iff its token equals it.
 """
 
@@ -207,7 +208,7 @@ def _process_scores(logits_processor, contexts, logits):
     return logits_processor(contexts, logits) if len(logits_processor) else logits
 
 
-def _process_tree_scores(logits_processor, state, tree_ids, ancestors, depths, logits):
+def _process_tree_scores(logits_processor, state, tree_ids, ancestors, logits):
     """Processed scores `[B, N, V]` of every tree node, each with its own path as the processors' context."""
     if not len(logits_processor):
         return logits
@@ -216,15 +217,17 @@ def _process_tree_scores(logits_processor, state, tree_ids, ancestors, depths, l
         flat = logits.reshape(batch_size * num_nodes, vocab)
         dummy = tree_ids.reshape(-1, 1)
         return logits_processor(dummy, flat).view(batch_size, num_nodes, vocab)
+    # Context-dependent processors may also hold per-row state sized to the original batch (e.g. the repetition
+    # penalty's `prompt_ignore_length`), so each node is processed in a full-size batch at its row's original index.
+    full_batch = state.sequences.shape[0]
     scores = torch.empty_like(logits)
     for b in range(batch_size):
-        row = state.rows[b]
+        row = int(state.rows[b])
         prefix = state.sequences[row, : state.lengths[row] - 1]  # the root is the tree's node 0
-        for depth in range(int(depths[b].max()) + 1):
-            nodes = (depths[b] == depth).nonzero().flatten()
-            paths = torch.stack([tree_ids[b][ancestors[b, n]] for n in nodes])  # [k, depth + 1], path order
-            context = torch.cat([prefix.expand(len(nodes), -1), paths], dim=1)
-            scores[b, nodes] = logits_processor(context, logits[b, nodes])
+        for node in range(num_nodes):
+            context = torch.cat([prefix, tree_ids[b][ancestors[b, node]]])  # path order = node order
+            out = logits_processor(context.expand(full_batch, -1), logits[b, node].expand(full_batch, -1).clone())
+            scores[b, node] = out[row]
     return scores
 
 
@@ -349,9 +352,8 @@ class SpeculativeEngine:
         outputs = self._forward(cache, attention_mask=mask, position_ids=positions, **inputs)
         logits = outputs.logits.float()  # [B, N + M, V]
         scores = _process_tree_scores(
-            self.logits_processor, state, tree_ids, ancestors[:, :num_nodes, :num_nodes], depths[:, :num_nodes],
-            logits[:, :num_nodes],
-        )  # fmt: skip
+            self.logits_processor, state, tree_ids, ancestors[:, :num_nodes, :num_nodes], logits[:, :num_nodes]
+        )
         paths, bonus = self._accept(tree_ids, parent[:, :num_nodes], ancestors, node_valid, scores, tree)
         new_tokens, finished = self._commit(
             state, [tree_ids[b, p[1:]].tolist() + [bonus[b]] for b, p in enumerate(paths)]

@@ -226,3 +226,17 @@ def test_hidden_states_and_auxiliary_inputs_reach_the_drafter(tiny_llama):
     committed = reference[:, : 4 + 1 + 3]  # prompt, first token, 3 accepted drafts
     expected = tiny_llama(torch.cat([committed, torch.tensor([[11, 12]])], 1)).logits[0, -2:]
     torch.testing.assert_close(first.aux_logits[0], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("processor", [dict(repetition_penalty=1.5), dict(min_new_tokens=8, no_repeat_ngram_size=2)])
+def test_context_dependent_processors_keep_greedy_identity(processor):
+    """Processors that read the context see each tree node's own path (left-padded batch of 2)."""
+    model = make_tiny_llama(seed=2)
+    input_ids, attention_mask = _ragged_batch(2, seed=4)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=16, do_sample=False)
+    free = model.generate(**kwargs)
+    reference = model.generate(**kwargs, **processor)
+    for drafts_from in (free, reference):
+        drafter = ReferenceDrafter(drafts_from, depth=4, tree=True)
+        out = model.generate(**kwargs, **processor, custom_generate=custom_generate, drafter=drafter)
+        assert torch.equal(out, reference)
