@@ -73,6 +73,7 @@ from .tree import (
     compute_depths,
     to_verification_parents,
     tree_position_ids,
+    validate_parents,
 )
 
 
@@ -291,6 +292,8 @@ class SpeculativeEngine:
 
             cache = DynamicCache(config=self.model.config)
         validate_cache_for_speculation(cache)
+        if cache.get_seq_length() > 0:
+            raise ValueError("speculative decoding starts from an empty cache; pass no `past_key_values` (or an empty one)")
         if position_ids is None:
             position_ids = (state.prompt_mask.cumsum(-1) - 1).clamp(min=0)
         # Same inputs as `generate`'s own prefill (2D mask or None, cumsum positions), hence the same logits.
@@ -320,13 +323,16 @@ class SpeculativeEngine:
         batch_size = len(state.rows)
         device = state.sequences.device
         roots = state.sequences[state.rows, state.lengths[state.rows] - 1][:, None]  # [B, 1]
-        if tree is None or tree.num_nodes == 0:
+        if tree is None:
             tree = DraftTree(roots.new_zeros((batch_size, 0)), roots.new_zeros((batch_size, 0)))
         num_nodes = tree.num_nodes + 1
         tree_ids = torch.cat([roots, tree.input_ids.to(device)], dim=1)  # [B, N]
         parent = to_verification_parents(tree.parent.to(device))
         if tree.num_aux:
             parent = torch.cat([parent, tree.aux_parent.to(device) + 1], dim=1)  # [B, N + M]
+        if tree.input_ids.shape[0] != batch_size:
+            raise ValueError(f"the drafter proposed {tree.input_ids.shape[0]} rows for {batch_size} active rows")
+        validate_parents(parent)
         ancestors = compute_ancestor_matrix(parent)  # [B, N + M, N + M]
         depths = compute_depths(ancestors)
         node_valid = torch.ones_like(tree_ids, dtype=torch.bool)
