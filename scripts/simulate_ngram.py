@@ -8,6 +8,7 @@ not indexed). Prints mean accepted length and estimated speedup for a grid of se
 
 import argparse
 import itertools
+import os
 import json
 import tempfile
 
@@ -29,6 +30,7 @@ def main():
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--eval-last", type=int, default=20)
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--extra-docs", default=None, help="pickled list of token-id documents added to the index")
     parser.add_argument("--grid", default="{}", help='JSON dict of InfinigramConfig field -> list of values')
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
@@ -40,14 +42,19 @@ def main():
     build, held = records[: -args.eval_last], records[-args.eval_last :]
     cases = [(tokenizer(prompts[r["question_id"]].text, add_special_tokens=False)["input_ids"], r["tokens"]) for r in held]
     with tempfile.TemporaryDirectory() as tmp:
-        header, _ = build_index_from_documents([r["tokens"] for r in build], tokenizer, tmp, ["simulation"])
+        documents = [r["tokens"] for r in build]
+        if args.extra_docs:
+            import pickle
+
+            documents += pickle.load(open(args.extra_docs, "rb"))
+        header, _ = build_index_from_documents(documents, tokenizer, tmp, ["simulation"])
         index = InfinigramIndex(tmp)
         grid = json.loads(args.grid)
         keys = list(grid)
         print(f"index: {header.num_tokens} tokens from {len(build)} outputs; eval on {len(held)} outputs")
         for values in itertools.product(*[grid[k] for k in keys]):
             overrides = dict(zip(keys, values))
-            for use_index in (False, True):
+            for use_index in json.loads(os.environ.get("SIM_INDEX", "[false, true]")):
                 drafter = InfinigramDrafter(index if use_index else None, config=InfinigramConfig(**overrides))
                 r = simulate_greedy(drafter, cases)
                 print(json.dumps({"index": use_index, **overrides, "mean_accepted": round(r.mean_accepted, 3),

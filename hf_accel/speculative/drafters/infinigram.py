@@ -66,7 +66,7 @@ class InfinigramConfig:
     verify_cost: tuple = ((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1))
     alpha: float = 1.0
     match_cap: int = 8
-    context_weight: float = 2.0
+    context_weight: float = 8.0
     prior: float = 20.0
     support_prior: float = 1.0
     max_support: int = 1000
