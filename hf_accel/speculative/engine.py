@@ -167,6 +167,8 @@ class VerifyResult:
         aux_logits (`torch.FloatTensor` of shape `(num_active, num_aux, vocab_size)`, *optional*): raw logits at the
             auxiliary nodes.
         is_prefill (`bool`): whether this result comes from the prefill.
+        num_input_tokens (`int`): tokens fed to the target in this pass (`num_active * (1 + nodes + aux)`).
+        forward_seconds (`float`): wall time of the target's forward pass (for cost models, see `cost.py`).
     """
 
     rows: torch.LongTensor
@@ -177,6 +179,8 @@ class VerifyResult:
     hidden_states: dict = field(default_factory=dict)
     aux_logits: torch.FloatTensor | None = None
     is_prefill: bool = False
+    num_input_tokens: int = 0
+    forward_seconds: float = 0.0
 
 
 class _DecodeState:
@@ -355,8 +359,10 @@ class SpeculativeEngine:
         else:
             inputs = {"input_ids": tree_ids}
         prefix_length = state.past_mask.shape[1]
+        tic = time.perf_counter()
         outputs = self._forward(cache, attention_mask=mask, position_ids=positions, **inputs)
         logits = outputs.logits.float()  # [B, N + M, V]
+        forward_seconds = time.perf_counter() - tic
         scores = _process_tree_scores(
             self.logits_processor, state, tree_ids, ancestors[:, :num_nodes, :num_nodes], logits[:, :num_nodes]
         )
@@ -376,7 +382,10 @@ class SpeculativeEngine:
         hidden = {i: _gather_nodes(outputs.hidden_states[i], keep) for i in self.hidden_layers}
         best = torch.tensor([p[-1] - 1 for p in paths], device=device)
         aux_logits = logits[:, num_nodes:] if tree.num_aux else None
-        result = VerifyResult(state.rows.clone(), new_tokens, best, path_length, finished, hidden, aux_logits)
+        result = VerifyResult(
+            state.rows.clone(), new_tokens, best, path_length, finished, hidden, aux_logits, False,
+            int(tree_ids.shape[0] * parent.shape[1]), forward_seconds,
+        )  # fmt: skip
         self._after_pass(state, cache, result)
 
     def _accept(self, tree_ids, parent, ancestors, node_valid, scores, tree):

@@ -158,12 +158,28 @@ def test_registry_and_index_build_cli(tmp_path, capsys):
 
 
 def test_width_choice_follows_the_cost_model():
-    from hf_accel.speculative.drafters.infinigram import choose_tree_width, relative_pass_cost
+    from hf_accel.speculative.cost import PassCostModel, interpolate_cost
+    from hf_accel.speculative.drafters.infinigram import choose_tree_width
 
-    cost = ((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1))
-    assert relative_pass_cost(1, cost) == 1.0 and relative_pass_cost(24, cost) == pytest.approx(1.725)
-    assert relative_pass_cost(96, cost) == pytest.approx(6.2)
+    points = ((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1))
+    assert interpolate_cost(1, points) == 1.0 and interpolate_cost(24, points) == pytest.approx(1.725)
+    assert interpolate_cost(96, points) == pytest.approx(6.2)
+    cost = PassCostModel(points, adaptive=False)
     assert choose_tree_width([[0.2]], cost, 16) == 0  # 1.2 tokens for 1.3x the time: not worth it
     assert choose_tree_width([[0.9, 0.8, 0.7] + [0.05] * 13], cost, 16) == 15  # nearly free up to 16 tokens
     # batch 8: the padded width multiplies the pass size
     assert choose_tree_width([[0.9, 0.6, 0.3, 0.1]] * 8, cost, 16) == 2
+
+
+def test_cost_model_learns_from_observed_passes():
+    from hf_accel.speculative.cost import PassCostModel
+    from hf_accel.speculative.drafters.infinigram import choose_tree_width
+
+    model = PassCostModel(((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1)), momentum=0.0)
+    scores = [[0.9, 0.8, 0.7] + [0.05] * 13]
+    assert model.needs_anchor(1) and choose_tree_width(scores, model, 16) == 15
+    model.observe(1, 0.2)
+    model.observe(16, 0.6)  # 16 tokens cost 3x a plain pass on this (loaded) machine
+    assert not model.needs_anchor(1)
+    assert model.cost(16) == 0.6 and model.cost(2) == pytest.approx(0.2 * 1.3)
+    assert choose_tree_width(scores, model, 16) == 3  # only the confident nodes are worth it now

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..cost import DEFAULT_VERIFY_COST, PassCostModel
 from ..tree import DraftTree
 from .index import InfinigramIndex
 
@@ -47,6 +48,7 @@ class InfinigramConfig:
         verify_cost (`tuple`): `(tokens in the pass, relative cost)` points of the target's pass cost, linearly
             interpolated (and extrapolated past the last point). Defaults: issue 6's CPU measurements of the
             default model (n = 1: 63 ms; 2-16: 82-92 ms; 32: 126 ms; 64: 259 ms).
+        adaptive_cost (`bool`): refine the cost curve with the measured time of every pass ([`PassCostModel`]).
         alpha (`float`): log-weight per matched token of an occurrence.
         match_cap (`int`): match lengths above this weigh the same.
         context_weight (`float`): extra weight of occurrences in the row's own context.
@@ -63,7 +65,8 @@ class InfinigramConfig:
     max_depth: int = 16
     max_nodes: int = 16
     threshold: float = 0.02
-    verify_cost: tuple = ((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1))
+    verify_cost: tuple = DEFAULT_VERIFY_COST
+    adaptive_cost: bool = True
     alpha: float = 1.0
     match_cap: int = 8
     context_weight: float = 8.0
@@ -163,19 +166,7 @@ def select_tree_nodes(parents: list[int], scores: list[float], max_nodes: int, t
     return sorted(chosen)  # node order keeps parents before children
 
 
-def relative_pass_cost(num_tokens: int, verify_cost) -> float:
-    """Piecewise-linear interpolation of `verify_cost` points `(tokens, cost)`, extrapolated past the last one."""
-    points = sorted(verify_cost)
-    if num_tokens <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if num_tokens <= x1:
-            return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
-    (x0, y0), (x1, y1) = points[-2], points[-1]
-    return y1 + (y1 - y0) * (num_tokens - x1) / (x1 - x0)
-
-
-def choose_tree_width(row_scores: list[list[float]], verify_cost, max_nodes: int) -> int:
+def choose_tree_width(row_scores: list[list[float]], cost_model: PassCostModel, max_nodes: int) -> int:
     """Draft nodes per row `w` maximising expected tokens per unit of target time.
 
     Rows of a batch are padded to the same width, so a pass costs `cost(batch_size * (w + 1))` whatever the rows
@@ -183,13 +174,13 @@ def choose_tree_width(row_scores: list[list[float]], verify_cost, max_nodes: int
     (expected accepted length = sum over nodes of P(node's path accepted), plus the bonus token).
     """
     batch_size = len(row_scores)
-    best_width, best_rate = 0, batch_size / relative_pass_cost(batch_size, verify_cost)
+    best_width, best_rate = 0, batch_size / cost_model.cost(batch_size)
     gains = [0.0] * batch_size
     for width in range(1, max_nodes + 1):
         for b, scores in enumerate(row_scores):
             if width <= len(scores):
                 gains[b] += scores[width - 1]
-        rate = (batch_size + sum(gains)) / relative_pass_cost(batch_size * (width + 1), verify_cost)
+        rate = (batch_size + sum(gains)) / cost_model.cost(batch_size * (width + 1))
         if rate > best_rate:
             best_width, best_rate = width, rate
     return best_width
@@ -222,6 +213,7 @@ class InfinigramDrafter:
             index.check_tokenizer(tokenizer)
         self.index = index
         self.config = config or InfinigramConfig()
+        self.cost_model = PassCostModel(self.config.verify_cost, adaptive=self.config.adaptive_cost)
         self.last_stats = None
 
     def propose(self, request) -> DraftTree | None:
@@ -232,12 +224,17 @@ class InfinigramDrafter:
             context = request.context(b).cpu().numpy().astype(np.int64)
             depth = int(min(cfg.max_depth, int(request.max_depth[b])))
             drafts.append(self.draft_row(context, depth, cfg.max_nodes) if depth > 0 else ([], [], []))
-        width = choose_tree_width([scores for _, _, scores in drafts], cfg.verify_cost, cfg.max_nodes)
-        if width == 0:
-            return None
+        width = choose_tree_width([scores for _, _, scores in drafts], self.cost_model, cfg.max_nodes)
+        if width == 0 or self.cost_model.needs_anchor(batch_size):
+            return None  # no draft worth its cost, or the cost of a plain pass was never measured: measure it
         # Each row's nodes are in decreasing-score order, closed under parents: a prefix is a subtree.
         trees = [(tokens[:width], parents[:width]) for tokens, parents, _ in drafts]
         return DraftTree.from_parent_lists(trees, device=request.sequences.device)
+
+    def update(self, result) -> None:
+        """Learns the pass cost from the engine's timing of each verification pass."""
+        if not result.is_prefill:
+            self.cost_model.observe(result.num_input_tokens, result.forward_seconds)
 
     def draft_row(self, context: np.ndarray, depth: int, max_nodes: int) -> tuple[list[int], list[int], list[float]]:
         """`(tokens, parents, scores)` of one row's candidate nodes, by decreasing score (drafter numbering)."""

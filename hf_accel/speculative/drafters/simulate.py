@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .infinigram import choose_tree_width, relative_pass_cost
+from ..cost import interpolate_cost
+from .infinigram import choose_tree_width
 
 
 @dataclass
@@ -55,11 +56,11 @@ def simulate_greedy(drafter, cases, max_depth: int = 16) -> SimulationResult:
             context = sequence[: len(prompt) + t]
             depth = min(max_depth, len(output) - t - 1)
             tokens, parents, scores = drafter.draft_row(context, depth, cfg.max_nodes) if depth > 0 else ([], [], [])
-            width = choose_tree_width([scores], cfg.verify_cost, cfg.max_nodes)
+            width = choose_tree_width([scores], drafter.cost_model, cfg.max_nodes)
             accepted = accepted_length(tokens[:width], parents[:width], list(output[t : t + depth]))
             result.passes += 1
             result.tokens += accepted + 1
-            result.cost += relative_pass_cost(width + 1, cfg.verify_cost)
+            result.cost += interpolate_cost(width + 1, cfg.verify_cost)
             result.draft_nodes += width
             t += accepted + 1
     return result
