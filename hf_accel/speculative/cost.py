@@ -61,3 +61,41 @@ class PassCostModel:
     def needs_anchor(self, num_tokens: int) -> bool:
         """Whether a pass over `num_tokens` (a plain decoding pass) was never measured: worth one exploration."""
         return self.adaptive and num_tokens not in self.observed
+
+
+class AcceptanceCalibrator:
+    """Maps a drafter's node score to the observed probability that such a node is accepted (online, binned).
+
+    A drafter's confidence is rarely calibrated (an n-gram's empirical probability overrates short matches in chat,
+    underrates them in code), and sizing a tree needs probabilities. Each bin of the score range keeps decayed counts
+    of drafted and accepted nodes, starting from `prior_count` pseudo-nodes accepted at the bin's centre score (so
+    an unseen bin trusts the score).
+
+    Args:
+        num_bins (`int`, *optional*, defaults to 10): equal-width bins over `[0, 1]`.
+        prior_count (`float`, *optional*, defaults to 4.0): pseudo-observations per bin.
+        decay (`float`, *optional*, defaults to 0.995): counts are multiplied by this at every update.
+    """
+
+    def __init__(self, num_bins: int = 10, prior_count: float = 4.0, decay: float = 0.995):
+        self.num_bins = num_bins
+        self.decay = decay
+        centres = [(i + 0.5) / num_bins for i in range(num_bins)]
+        self.drafted = [prior_count] * num_bins
+        self.accepted = [prior_count * c for c in centres]
+
+    def _bin(self, score: float) -> int:
+        return min(self.num_bins - 1, max(0, int(score * self.num_bins)))
+
+    def probability(self, score: float) -> float:
+        b = self._bin(score)
+        return self.accepted[b] / self.drafted[b]
+
+    def observe(self, scores: list[float], accepted: list[bool]) -> None:
+        """Records one pass of one row: the drafted nodes' scores and whether each was accepted."""
+        self.drafted = [d * self.decay for d in self.drafted]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for score, ok in zip(scores, accepted):
+            b = self._bin(score)
+            self.drafted[b] += 1.0
+            self.accepted[b] += float(ok)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cost import DEFAULT_VERIFY_COST, PassCostModel
+from ..cost import DEFAULT_VERIFY_COST, AcceptanceCalibrator, PassCostModel
 from ..tree import DraftTree
 from .index import InfinigramIndex
 
@@ -49,6 +49,8 @@ class InfinigramConfig:
             interpolated (and extrapolated past the last point). Defaults: issue 6's CPU measurements of the
             default model (n = 1: 63 ms; 2-16: 82-92 ms; 32: 126 ms; 64: 259 ms).
         adaptive_cost (`bool`): refine the cost curve with the measured time of every pass ([`PassCostModel`]).
+        calibrate (`bool`): size trees with the observed acceptance rate of nodes of similar score
+            ([`AcceptanceCalibrator`]) instead of the raw score.
         alpha (`float`): log-weight per matched token of an occurrence.
         match_cap (`int`): match lengths above this weigh the same.
         context_weight (`float`): extra weight of occurrences in the row's own context.
@@ -67,6 +69,7 @@ class InfinigramConfig:
     threshold: float = 0.02
     verify_cost: tuple = DEFAULT_VERIFY_COST
     adaptive_cost: bool = True
+    calibrate: bool = True
     alpha: float = 1.0
     match_cap: int = 8
     context_weight: float = 8.0
@@ -214,6 +217,8 @@ class InfinigramDrafter:
         self.index = index
         self.config = config or InfinigramConfig()
         self.cost_model = PassCostModel(self.config.verify_cost, adaptive=self.config.adaptive_cost)
+        self.calibrator = AcceptanceCalibrator() if self.config.calibrate else None
+        self._proposed = {}  # original row -> (parents, scores) of the nodes proposed in the pending pass
         self.last_stats = None
 
     def propose(self, request) -> DraftTree | None:
@@ -224,17 +229,36 @@ class InfinigramDrafter:
             context = request.context(b).cpu().numpy().astype(np.int64)
             depth = int(min(cfg.max_depth, int(request.max_depth[b])))
             drafts.append(self.draft_row(context, depth, cfg.max_nodes) if depth > 0 else ([], [], []))
-        width = choose_tree_width([scores for _, _, scores in drafts], self.cost_model, cfg.max_nodes)
+        probabilities = [self._calibrated(scores) for _, _, scores in drafts]
+        width = choose_tree_width(probabilities, self.cost_model, cfg.max_nodes)
+        self._proposed = {}
         if width == 0 or self.cost_model.needs_anchor(batch_size):
             return None  # no draft worth its cost, or the cost of a plain pass was never measured: measure it
         # Each row's nodes are in decreasing-score order, closed under parents: a prefix is a subtree.
         trees = [(tokens[:width], parents[:width]) for tokens, parents, _ in drafts]
+        for b, (_, parents, scores) in enumerate(drafts):
+            self._proposed[int(request.rows[b])] = (parents[:width], scores[:width])
         return DraftTree.from_parent_lists(trees, device=request.sequences.device)
 
+    def _calibrated(self, scores: list[float]) -> list[float]:
+        return [self.calibrator.probability(s) for s in scores] if self.calibrator is not None else scores
+
     def update(self, result) -> None:
-        """Learns the pass cost from the engine's timing of each verification pass."""
-        if not result.is_prefill:
-            self.cost_model.observe(result.num_input_tokens, result.forward_seconds)
+        """Learns the pass cost (engine timing) and the acceptance rate by score (accepted nodes) of each pass."""
+        if result.is_prefill:
+            return
+        self.cost_model.observe(result.num_input_tokens, result.forward_seconds)
+        if self.calibrator is None:
+            return
+        for b, row in enumerate(result.rows.tolist()):
+            if row not in self._proposed:
+                continue
+            parents, scores = self._proposed[row]
+            on_path, node = set(), int(result.best_node[b])
+            while node >= 0:  # the accepted nodes are the best node's ancestors
+                on_path.add(node)
+                node = parents[node]
+            self.calibrator.observe(scores, [n in on_path for n in range(len(scores))])
 
     def draft_row(self, context: np.ndarray, depth: int, max_nodes: int) -> tuple[list[int], list[int], list[float]]:
         """`(tokens, parents, scores)` of one row's candidate nodes, by decreasing score (drafter numbering)."""

@@ -42,6 +42,22 @@ def accepted_length(tokens: list[int], parents: list[int], target: list[int]) ->
     return accepted
 
 
+def accepted_nodes(tokens: list[int], parents: list[int], target: list[int]) -> set[int]:
+    """Nodes on the accepted path (one row, drafter numbering)."""
+    depth_of, best = {}, -1
+    for node, (token, parent) in enumerate(zip(tokens, parents)):
+        depth = 0 if parent < 0 else depth_of.get(parent, -(10**9)) + 1
+        if 0 <= depth < len(target) and token == target[depth]:
+            depth_of[node] = depth
+            if best < 0 or depth > depth_of[best]:
+                best = node
+    path = set()
+    while best >= 0:
+        path.add(best)
+        best = parents[best]
+    return path
+
+
 def simulate_greedy(drafter, cases, max_depth: int = 16) -> SimulationResult:
     """Simulates batch-1 greedy decoding of each `(prompt_ids, output_ids)` case with `drafter` (an Infinigram one).
 
@@ -56,8 +72,11 @@ def simulate_greedy(drafter, cases, max_depth: int = 16) -> SimulationResult:
             context = sequence[: len(prompt) + t]
             depth = min(max_depth, len(output) - t - 1)
             tokens, parents, scores = drafter.draft_row(context, depth, cfg.max_nodes) if depth > 0 else ([], [], [])
-            width = choose_tree_width([scores], drafter.cost_model, cfg.max_nodes)
+            width = choose_tree_width([drafter._calibrated(scores)], drafter.cost_model, cfg.max_nodes)
             accepted = accepted_length(tokens[:width], parents[:width], list(output[t : t + depth]))
+            if drafter.calibrator is not None and width:
+                on_path = accepted_nodes(tokens[:width], parents[:width], list(output[t : t + depth]))
+                drafter.calibrator.observe(scores[:width], [n in on_path for n in range(width)])
             result.passes += 1
             result.tokens += accepted + 1
             result.cost += interpolate_cost(width + 1, cfg.verify_cost)
