@@ -15,11 +15,13 @@ Spec: `specs/000_care_infinigram.md`, Part B. One `propose` call per step and ro
    turns short, rare matches into low confidence (acceptance rises with match length and frequency, Fig. 4.1).
    Longer matches dominate, shorter ones still add alternatives (issue 6: trees over several matches beat the
    single longest-match chain).
-4. **Confidence-sized tree.** Nodes are taken by decreasing score while `S >= threshold` (the spec's confidence
-   truncation, B.11 item 5, here applied per node: a chain is cut at the first `P_j < tau`, a tree keeps every
-   alternative above it), up to `max_nodes`. With `tree=False` only the majority path is kept (the spec's chain).
-   No node above the threshold means no draft: the step is a plain decoding pass, which on CPU is ~30% cheaper
-   than verifying even one draft token (issue 6's measured costs).
+4. **Confidence-sized tree.** Candidate nodes are those with `S >= threshold` (the spec's confidence truncation,
+   B.11 item 5, applied per node), by decreasing score, at most `max_nodes` (`tree=False` keeps only the majority
+   path: the spec's chain). How many are drafted is chosen per pass by [`choose_tree_width`]: the width that
+   maximises expected tokens (1 + the sum of the nodes' acceptance probabilities, from an online
+   [`AcceptanceCalibrator`] of the scores) per unit of pass cost ([`PassCostModel`]: issue 6's CPU costs, refined
+   by the measured time of every pass). Width 0 means no draft: a plain decoding pass, which on CPU is ~30%
+   cheaper than verifying even one draft token (issue 6's measured costs).
 
 Ambiguities (B.11) resolved here: the context fed to the lookup is prompt + response (item 3/B.6); no minimum
 match length at run time beyond `min_match` (default 1, best in the issue's simulation; item 6); majority ties go to
