@@ -59,7 +59,7 @@ def _run_build(args) -> int:
         generation_s += time.perf_counter() - tic
         sources.append(f"self-distill:{source}:offset={args.offset}:limit={args.limit}:max_new={args.max_new_tokens}")
     prepare_s = time.perf_counter() - start
-    header, build_s = build_index_from_documents(documents, tokenizer, args.out, sources)
+    header, build_s = build_index_from_documents(documents, tokenizer, args.out, sources, args.model)
     result = {
         "out": str(args.out), "model": args.model, "tokens": header.num_tokens, "documents": header.num_documents,
         "sources": sources, "prepare_s": round(prepare_s, 3), "self_distill_s": round(generation_s, 3),

@@ -118,10 +118,13 @@ def _strip_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
-def build_index_from_documents(documents, tokenizer, out_dir: str | Path, sources: list) -> tuple[IndexHeader, float]:
+def build_index_from_documents(
+    documents, tokenizer, out_dir: str | Path, sources: list, tokenizer_name: str | None = None
+) -> tuple[IndexHeader, float]:
     """Builds the index and returns `(header, seconds spent building)` (tokenization of inputs excluded)."""
     documents = list(documents)
     name, vocab_hash, vocab_size = tokenizer_fingerprint(tokenizer)
+    name = tokenizer_name or name
     start = time.perf_counter()
     header = build_index(documents, out_dir, name, vocab_hash, vocab_size, sources=sources)
     return header, time.perf_counter() - start
