@@ -17,18 +17,27 @@ def print_json(obj) -> None:
 def _build_parser() -> argparse.ArgumentParser:
     from .demo import add_cli as add_demo
     from .eval.cli import add_cli as add_eval
+    from .hub import add_cli as add_hub
+    from .speculative.cli import add_cli as add_index
+    from .training.cli import add_cli as add_train
 
     parser = argparse.ArgumentParser(prog="hf-accel", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo(commands)
     add_eval(commands)  # `eval ppl` and `bench generate`
-    __import__("hf_accel.speculative.cli", fromlist=["add_cli"]).add_cli(commands)  # `index build`
+    add_train(commands)  # `train heal`
+    add_hub(commands)  # `push`
+    add_index(commands)  # `index build`
     return parser
 
 
 def main(argv=None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    # A subcommand that parses its own options (`train heal`, through HfArgumentParser) sets accepts_unknown_args.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_unknown_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.unknown_args = unknown
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError, ImportError) as err:

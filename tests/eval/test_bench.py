@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hf_accel.cli import main
-from hf_accel.eval.bench import bench_generate, summarize, MethodRun
+from hf_accel.eval.bench import MethodRun, bench_generate, summarize
 from hf_accel.eval.prompts import BenchPrompt, load_prompts
 
 
@@ -28,28 +28,38 @@ def test_summarize_speedup_and_identity_by_hand():
     prompts = [BenchPrompt("a", "x", ""), BenchPrompt("b", "y", "")]
     vanilla = MethodRun(outputs={"a": [1, 2, 3, 4], "b": [5, 6]})
     vanilla.seconds.update(x=2.0, y=1.0)
-    vanilla.passes.update(x=3, y=1)
+    vanilla.accepted.update(x=3, y=1)
+    vanilla.row_passes.update(x=3, y=1)
     fast = MethodRun(outputs={"a": [1, 2, 3, 4], "b": [5, 7]})
     fast.seconds.update(x=1.0, y=1.0)
-    fast.passes.update(x=1, y=1)
-    out = summarize({"vanilla": vanilla, "fast": fast}, prompts, batch_size=1, do_sample=False)
+    fast.accepted.update(x=3, y=1)
+    fast.row_passes.update(x=1, y=1)
+    out = summarize({"vanilla": vanilla, "fast": fast}, prompts, do_sample=False)
     assert out["vanilla"]["tokens_per_s"] == pytest.approx(6 / 3.0)
     assert out["fast"]["speedup"] == pytest.approx((6 / 2.0) / (6 / 3.0))
     assert out["fast"]["per_category"]["x"] == {
-        "tokens": 4, "seconds": 1.0, "tokens_per_s": 4.0, "mean_accepted": 3.0, "speedup": 2.0, "identical": True,
+        "tokens": 4,
+        "seconds": 1.0,
+        "tokens_per_s": 4.0,
+        "mean_accepted": 3.0,
+        "speedup": 2.0,
+        "identical": True,
     }
     assert out["fast"]["per_category"]["y"]["identical"] is False
     assert out["fast"]["identical"] is False
     assert out["vanilla"]["mean_accepted"] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["eval", "ppl", "--model", "/no/such/dir", "--text", "pyproject.toml"], "not a directory"),
-    (["eval", "ppl", "--text", "/no/such/file.txt"], "not found"),
-    (["eval", "ppl", "--text", "pyproject.toml", "--seq-len", "0"], "must be positive"),
-    (["bench", "generate", "--prompts", "/no/such.jsonl"], "not found"),
-    (["bench", "generate", "--prompts", "humaneval", "--methods", ","], "empty"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["eval", "ppl", "--model", "/no/such/dir", "--text", "pyproject.toml"], "not a directory"),
+        (["eval", "ppl", "--text", "/no/such/file.txt"], "not found"),
+        (["eval", "ppl", "--text", "pyproject.toml", "--seq-len", "0"], "must be positive"),
+        (["bench", "generate", "--prompts", "/no/such.jsonl"], "not found"),
+        (["bench", "generate", "--prompts", "humaneval", "--methods", ","], "empty"),
+    ],
+)
 def test_cli_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -58,7 +68,9 @@ def test_cli_errors_are_one_line(argv, message, capsys):
 
 def test_cli_bad_hub_id_offline_is_one_line(capsys, tmp_path):
     (tmp_path / "p.jsonl").write_text('{"question_id": 1, "category": "qa", "turns": ["hi"]}\n')
-    assert main(["bench", "generate", "--model", "nobody/no-such-model-xyz", "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    assert (
+        main(["bench", "generate", "--model", "nobody/no-such-model-xyz", "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "cannot load model 'nobody/no-such-model-xyz'" in err and len(err.splitlines()) == 1
 
@@ -66,8 +78,10 @@ def test_cli_bad_hub_id_offline_is_one_line(capsys, tmp_path):
 @pytest.mark.slow
 def test_cli_ppl_and_demo_json(default_model, shakespeare_text, capsys, tmp_path):
     (tmp_path / "t.txt").write_text(shakespeare_text[:3000])
-    assert main(["eval", "ppl", "--text", str(tmp_path / "t.txt"), "--seq-len", "128", "--max-tokens", "300",
-                 "--json"]) == 0
+    assert (
+        main(["eval", "ppl", "--text", str(tmp_path / "t.txt"), "--seq-len", "128", "--max-tokens", "300", "--json"])
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert {"model", "ppl", "tokens", "seq_len"} <= set(result)
     assert result["tokens"] == 127 + 127 + 43 and 1 < result["ppl"] < 1000

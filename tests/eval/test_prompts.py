@@ -11,13 +11,17 @@ def write_jsonl(path, records):
 
 
 def test_spec_bench_records_use_first_turn(tmp_path):
-    path = write_jsonl(tmp_path / "q.jsonl", [
-        {"question_id": 7, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]},
-        {"question_id": 8, "category": "qa", "turns": ["Who wrote Hamlet?"]},
-    ])
+    path = write_jsonl(
+        tmp_path / "q.jsonl",
+        [
+            {"question_id": 7, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]},
+            {"question_id": 8, "category": "qa", "turns": ["Who wrote Hamlet?"]},
+        ],
+    )
     prompts = load_prompts(path)  # no tokenizer: the raw first turn
     assert [(p.question_id, p.category, p.text) for p in prompts] == [
-        ("7", "math", "What is 2+2?"), ("8", "qa", "Who wrote Hamlet?"),
+        ("7", "math", "What is 2+2?"),
+        ("8", "qa", "Who wrote Hamlet?"),
     ]
     assert [p.question_id for p in load_prompts(path, limit=1, offset=1)] == ["8"]
 
@@ -29,13 +33,16 @@ def test_humaneval_has_164_and_offset_selects_held_out():
     assert prompts[0].text.lstrip().startswith("def ")
 
 
-@pytest.mark.parametrize("content,message", [
-    ("", "empty"),
-    ("{not json\n", "not valid JSON"),
-    ("[1, 2]\n", "expected a JSON object"),
-    ('{"question_id": 1, "turns": []}\n', "non-empty list"),
-    ('{"question_id": 1, "category": "x"}\n', "needs `turns`"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("", "empty"),
+        ("{not json\n", "not valid JSON"),
+        ("[1, 2]\n", "expected a JSON object"),
+        ('{"question_id": 1, "turns": []}\n', "non-empty list"),
+        ('{"question_id": 1, "category": "x"}\n', "needs `turns`"),
+    ],
+)
 def test_malformed_prompt_files_raise_one_clear_error(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)
     with pytest.raises(ValueError, match=message):

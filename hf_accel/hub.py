@@ -1,0 +1,444 @@
+"""Hub-ready artifacts: saving with a generated model card, pushing, and writing a local cache in the Hub's layout.
+
+Every artifact this project makes is a directory the Hub understands: the files (`config.json`, `*.safetensors`,
+remote code, tokenizer, adapter config, index files, ...) plus a `README.md` model card rendered from a template in
+`hub_cards/` (one per artifact kind, see `ARTIFACT_KINDS`) with `huggingface_hub.ModelCardData` metadata.
+
+`populate_hub_cache` writes such a directory into a Hugging Face cache (`models--ORG--NAME/{blobs,snapshots,refs}`),
+so `from_pretrained("ORG/NAME")` works with `HF_HUB_OFFLINE=1` on a machine without network, exactly as after a
+download of the pushed repository.
+"""
+
+import fnmatch
+import hashlib
+import inspect
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+# The repository's hub_cards/ (source checkouts, editable installs), else where a wheel puts it (pyproject data-files).
+HUB_CARDS_DIR = next(
+    (
+        d
+        for d in (Path(__file__).resolve().parents[1] / "hub_cards", Path(sys.prefix) / "share/hf_accel/hub_cards")
+        if d.is_dir()
+    ),
+    Path(__file__).resolve().parents[1] / "hub_cards",
+)
+# Trainer checkpoints (optimizer states) and logs are not part of a published artifact.
+DEFAULT_IGNORE_PATTERNS = ("checkpoint-*", "checkpoint-*/*", "runs/*", "*/.cache/*", ".cache/*")
+# Aliases of this project that stand for Hub repositories (the card's `base_model` must be a Hub id).
+HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+class HubError(ValueError):
+    """A publishing step that cannot proceed (no token, no network, refused by the Hub); the message says why."""
+
+
+@dataclass(frozen=True)
+class ArtifactKind:
+    """How one kind of artifact is described on the Hub."""
+
+    template: str
+    library_name: str
+    base_model_relation: str | None
+    tags: tuple[str, ...] = field(default_factory=tuple)
+    pipeline_tag: str | None = "text-generation"
+
+
+ARTIFACT_KINDS = {
+    # The Hub's relations are adapter / merge / quantized / finetune; a converted model is the base model compressed
+    # (smaller KV cache) like a quantization is, hence "quantized" (a healed one is still that compression).
+    "converted-model": ArtifactKind("converted_model.md", "transformers", "quantized", ("hf-accel", "kv-cache")),
+    "lora-adapter": ArtifactKind("lora_adapter.md", "peft", "adapter", ("hf-accel", "lora")),
+    "drafter-adapter": ArtifactKind("drafter_adapter.md", "hf-accel", "adapter", ("hf-accel", "speculative-decoding")),
+    "drafter-index": ArtifactKind(
+        "drafter_index.md", "hf-accel", None, ("hf-accel", "speculative-decoding", "ngram-index"), None
+    ),
+}
+
+
+def _artifact_kind(kind: str) -> ArtifactKind:
+    if kind not in ARTIFACT_KINDS:
+        raise ValueError(f"unknown artifact kind {kind!r}; choose one of {sorted(ARTIFACT_KINDS)}")
+    return ARTIFACT_KINDS[kind]
+
+
+def hub_base_model(name_or_path: str) -> str:
+    """The Hub id to write as `base_model`: aliases are mapped (`smollm2-135m`), local paths are refused."""
+    name = HUB_IDS.get(name_or_path, name_or_path)
+    if os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1 or not name.strip("/"):
+        raise ValueError(f"base_model must be a Hub id like ORG/NAME, got {name_or_path!r} (a local path?)")
+    return name
+
+
+def _eval_results(results, model_name: str):
+    """`EvalResult`s from measured numbers: dicts with `metric_type`, `metric_value`, `dataset_name` (and optionally
+    any other `EvalResult` field), or `EvalResult` objects."""
+    from huggingface_hub import EvalResult
+
+    out = []
+    for result in results or []:
+        if not isinstance(result, EvalResult):
+            result = dict(result)
+            result.setdefault("task_type", "text-generation")
+            result.setdefault("dataset_type", result.get("dataset_name"))
+            result = EvalResult(**result)
+        out.append(result)
+    return out
+
+
+def _local_image(output_dir: Path, image: str | Path | None, default_globs: tuple[str, ...]) -> str | None:
+    """A path relative to `output_dir` for an image (copied in when it lives elsewhere), or the first file there
+    matching `default_globs`, or `None`."""
+    if image is None:
+        found = sorted(p for pattern in default_globs for p in output_dir.glob(pattern))
+        return found[0].name if found else None
+    image = Path(image)
+    if not image.is_file():
+        raise FileNotFoundError(f"image not found: {image}")
+    if output_dir.resolve() not in image.resolve().parents:
+        shutil.copy(image, output_dir / image.name)
+        return image.name
+    return image.resolve().relative_to(output_dir.resolve()).as_posix()
+
+
+def write_model_card(
+    output_dir: str | Path,
+    kind: str,
+    base_model: str,
+    *,
+    model_name: str | None = None,
+    repo_id: str | None = None,
+    description: str = "",
+    settings: dict | None = None,
+    eval_results: list | None = None,
+    kv_bytes_per_token: float | None = None,
+    base_kv_bytes_per_token: float | None = None,
+    ranks_plot: str | Path | None = None,
+    papers: list[dict] | None = None,
+    tags: list[str] | tuple = (),
+    datasets: list[str] | None = None,
+    license: str | None = None,
+    base_model_relation: str | None = "default",
+    template_dir: str | Path | None = None,
+):
+    """Renders `hub_cards/<kind template>` into `output_dir/README.md` and returns the `ModelCard`.
+
+    Args:
+        output_dir (`str` or `Path`): the artifact directory.
+        kind (`str`): one of `ARTIFACT_KINDS`: `converted-model`, `lora-adapter`, `drafter-adapter`,
+            `drafter-index`.
+        base_model (`str`): the Hub id of the model this artifact derives from (or the alias `smollm2-135m`).
+        model_name (`str`, *optional*): the card title; defaults to the repo name or the directory name.
+        repo_id (`str`, *optional*): the repository id used in the card's loading snippet.
+        description (`str`, *optional*): a paragraph under the title.
+        settings (`dict`, *optional*): conversion/training settings, rendered as a table (and kept verbatim).
+        eval_results (`list`, *optional*): measured numbers, as dicts (`metric_type`, `metric_value`,
+            `dataset_name`, ...) or `huggingface_hub.EvalResult`s; they go into the metadata and a table.
+        kv_bytes_per_token (`float`, *optional*): measured KV-cache bytes per token of this model.
+        base_kv_bytes_per_token (`float`, *optional*): the same for the base model (the card shows the ratio).
+        ranks_plot (`str` or `Path`, *optional*): an image of the per-layer ranks; copied in if elsewhere. Without it,
+            a `ranks*.png` in `output_dir` is used if present. A `ppl_curve.png` (healing) is linked when present.
+        papers (`list[dict]`, *optional*): the methods' papers, `{"title", "arxiv"}`; each adds an `arxiv:` tag.
+        tags (`list[str]`, *optional*): extra tags (the kind's own tags are always there).
+        datasets (`list[str]`, *optional*): Hub ids of the data used (calibration, training).
+        license (`str`, *optional*): the license id (usually the base model's).
+        base_model_relation (`str`, *optional*): `adapter`, `merge`, `quantized`, `finetune` or `None`; defaults to the
+            kind's (`quantized` for converted models, `adapter` for adapters).
+        template_dir (`str` or `Path`, *optional*): where the templates are; defaults to the repository's
+            `hub_cards/`.
+
+    Returns:
+        `huggingface_hub.ModelCard`.
+
+    Example:
+        ```python
+        >>> write_model_card("out/care-0.5", "converted-model", "smollm2-135m", settings={"method": "care",
+        ...     "kv_keep": 0.5}, eval_results=[{"metric_type": "perplexity", "metric_value": 12.3,
+        ...     "dataset_name": "wikitext"}], kv_bytes_per_token=11520, base_kv_bytes_per_token=23040)
+        ```
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    spec = _artifact_kind(kind)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    name = model_name or (repo_id.split("/")[-1] if repo_id else output_dir.resolve().name)
+    papers = list(papers or [])
+    all_tags = list(dict.fromkeys([*spec.tags, *tags, *(f"arxiv:{p['arxiv']}" for p in papers if p.get("arxiv"))]))
+    relation = spec.base_model_relation if base_model_relation == "default" else base_model_relation
+    card_data = ModelCardData(
+        base_model=hub_base_model(base_model),
+        base_model_relation=relation,
+        library_name=spec.library_name,
+        pipeline_tag=spec.pipeline_tag,
+        tags=all_tags,
+        datasets=datasets,
+        license=license,
+        model_name=name,
+        eval_results=_eval_results(eval_results, name) or None,
+    )
+    ratio = None
+    if kv_bytes_per_token and base_kv_bytes_per_token:
+        ratio = kv_bytes_per_token / base_kv_bytes_per_token
+    card = ModelCard.from_template(
+        card_data,
+        template_path=str(Path(template_dir or HUB_CARDS_DIR) / spec.template),
+        model_name=name,
+        repo_id=repo_id or f"<your-namespace>/{name}",
+        base_model=card_data.base_model,
+        description=description,
+        settings=settings or {},
+        eval_results=card_data.eval_results or [],
+        kv_bytes_per_token=kv_bytes_per_token,
+        base_kv_bytes_per_token=base_kv_bytes_per_token,
+        kv_ratio=ratio,
+        papers=papers,
+        ranks_plot=_local_image(output_dir, ranks_plot, ("ranks*.png",)),
+        ppl_plot=_local_image(output_dir, None, ("ppl_curve.png",)),
+    )
+    # Jinja leaves blank lines where optional sections are skipped.
+    card = ModelCard(re.sub(r"\n{3,}", "\n\n", str(card)))
+    card.save(output_dir / "README.md")
+    return card
+
+
+def _auto_map_files(config) -> set[str]:
+    """The module files named by a config's `auto_map` (local references only, not `repo--module.Class`)."""
+    names = set()
+    for value in (getattr(config, "auto_map", None) or {}).values():
+        for ref in value if isinstance(value, (list, tuple)) else [value]:
+            if ref and "--" not in ref:
+                names.add(ref.rsplit(".", 1)[0] + ".py")
+    return names
+
+
+def copy_remote_code(model, output_dir: str | Path, source_dir: str | Path | None = None) -> list[str]:
+    """Copies the modeling/configuration files that a trust_remote_code model's `auto_map` names into `output_dir`.
+
+    `save_pretrained` already does this for models loaded through an Auto class; this fills the gap otherwise (a
+    model built by hand, or files a converter writes itself). Files are looked up next to the model's class (for a
+    loaded model, transformers' dynamic-module copy) and then in `source_dir`; their relative imports come along.
+
+    Returns:
+        `list[str]`: the names of the files copied.
+    """
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    output_dir = Path(output_dir)
+    search = [Path(inspect.getfile(type(model))).parent]
+    if source_dir is not None and Path(source_dir).is_dir():
+        search.append(Path(source_dir))
+    copied = []
+    for name in sorted(_auto_map_files(model.config)):
+        if (output_dir / name).is_file():
+            continue
+        found = next((d / name for d in search if (d / name).is_file()), None)
+        if found is None:
+            raise FileNotFoundError(f"auto_map names {name}, but it is in none of {[str(d) for d in search]}")
+        for path in [found, *map(Path, get_relative_import_files(str(found)))]:
+            if not (output_dir / path.name).is_file():
+                shutil.copy(path, output_dir / path.name)
+                copied.append(path.name)
+    return copied
+
+
+def save_artifact(output_dir: str | Path, kind: str, base_model: str, *, model=None, tokenizer=None, files=(), **card):
+    """Saves an artifact in the Hub's layout with its model card.
+
+    Args:
+        output_dir (`str` or `Path`): the directory to write.
+        kind (`str`): see [`write_model_card`].
+        base_model (`str`): see [`write_model_card`].
+        model (*optional*): anything with `save_pretrained(dir)` (a model, a `PeftModel`, a drafter adapter); remote
+            code named by its config's `auto_map` is copied in.
+        tokenizer (*optional*): saved beside the model.
+        files (`list`, *optional*): extra files to copy in (an index, a plot, a JSON report).
+        card: the other keyword arguments of [`write_model_card`].
+
+    Returns:
+        `Path`: the artifact directory.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if model is not None:
+        model.save_pretrained(output_dir)
+        if getattr(getattr(model, "config", None), "auto_map", None):
+            copy_remote_code(model, output_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(output_dir)
+    for file in files:
+        shutil.copy(file, output_dir / Path(file).name)
+    write_model_card(output_dir, kind, base_model, **card)
+    return output_dir
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """The exception types meaning "the Hub cannot be reached" (huggingface_hub's HTTP backend varies by version)."""
+    import importlib
+
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    errors = [OSError, OfflineModeIsEnabled]
+    for module_name, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)), ("requests", ())):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        errors += [getattr(module, n) for n in names if hasattr(module, n)]
+    return tuple(errors)
+
+
+def push_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str | None = None,
+    ignore_patterns=DEFAULT_IGNORE_PATTERNS,
+) -> str:
+    """Creates (if needed) the model repository `repo_id` and uploads `folder` to it.
+
+    Args:
+        folder (`str` or `Path`): an artifact directory (see [`save_artifact`]).
+        repo_id (`str`): `ORG/NAME` or `NAME` (in the token owner's namespace).
+        private (`bool`, *optional*, defaults to `False`): create the repository private.
+        token (`str`, *optional*): a write token; defaults to the saved/`HF_TOKEN` one (`huggingface_hub.get_token`).
+        commit_message (`str`, *optional*): the commit message.
+        ignore_patterns (*optional*): files not uploaded; defaults to Trainer checkpoints and logs.
+
+    Returns:
+        `str`: the repository URL.
+
+    Raises:
+        `HubError`: no token, the Hub unreachable (or `HF_HUB_OFFLINE=1`), or the Hub refusing the upload.
+    """
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"not a directory: {folder}")
+    if not (folder / "README.md").is_file():
+        raise HubError(f"{folder} has no README.md model card: save it with hf_accel.hub.save_artifact first")
+    token = token or get_token()
+    if not token:
+        raise HubError("no Hugging Face token: run `hf auth login` or set HF_TOKEN to a token with write access")
+    api = HfApi(token=token)
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(
+            repo_id=url.repo_id,
+            folder_path=folder,
+            commit_message=commit_message or f"Upload {folder.name}",
+            ignore_patterns=list(ignore_patterns),
+        )
+    except HfHubHTTPError as err:  # before OSError: it is one
+        raise HubError(f"the Hub refused the push to {repo_id}: {str(err).splitlines()[0]}") from err
+    except _connection_errors() as err:
+        raise HubError(
+            f"cannot reach the Hugging Face Hub to push {repo_id} ({type(err).__name__}: {str(err).splitlines()[0]}); "
+            "check the network and that HF_HUB_OFFLINE is not set"
+        ) from err
+    return str(url)
+
+
+def _artifact_files(folder: Path, ignore_patterns) -> list[Path]:
+    files = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if not any(fnmatch.fnmatch(rel, pattern) for pattern in ignore_patterns):
+            files.append(path)
+    return files
+
+
+def populate_hub_cache(
+    folder: str | Path,
+    repo_id: str,
+    cache_dir: str | Path | None = None,
+    revision: str = "main",
+    commit_hash: str | None = None,
+    ignore_patterns=DEFAULT_IGNORE_PATTERNS,
+) -> Path:
+    """Writes `folder` into a Hugging Face cache as if `repo_id` had been downloaded from the Hub.
+
+    Layout (the Hub client's): `models--ORG--NAME/blobs/<sha256>` holds each file's bytes,
+    `snapshots/<commit>/<path>` links to its blob (a copy where symlinks are not allowed), and `refs/<revision>`
+    holds the commit hash. Afterwards, with `HF_HUB_OFFLINE=1` and `HF_HUB_CACHE` (or `HF_HOME`) pointing at the
+    cache, `AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True)` loads the artifact: the way to
+    prepare a machine without network.
+
+    Args:
+        folder (`str` or `Path`): an artifact directory.
+        repo_id (`str`): `ORG/NAME`.
+        cache_dir (`str` or `Path`, *optional*): the hub cache; defaults to `huggingface_hub.constants.HF_HUB_CACHE`.
+        revision (`str`, *optional*, defaults to `"main"`): the ref to point at the snapshot.
+        commit_hash (`str`, *optional*): 40 hex digits; defaults to a hash of the files' names and contents.
+        ignore_patterns (*optional*): files left out, as for [`push_to_hub`].
+
+    Returns:
+        `Path`: the snapshot directory.
+    """
+    from huggingface_hub import constants
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"not a directory: {folder}")
+    if repo_id.count("/") != 1:
+        raise ValueError(f"repo_id must be ORG/NAME, got {repo_id!r}")
+    files = _artifact_files(folder, ignore_patterns)
+    digests = {path: hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
+    if commit_hash is None:
+        commit = hashlib.sha1()
+        for path in files:
+            commit.update(f"{path.relative_to(folder).as_posix()}\0{digests[path]}\n".encode())
+        commit_hash = commit.hexdigest()
+    repo = Path(cache_dir or constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit_hash
+    for path in files:
+        blob = repo / "blobs" / digests[path]
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            shutil.copyfile(path, blob)
+        target = snapshot / path.relative_to(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists() or target.is_symlink():
+            target.unlink()
+        try:
+            target.symlink_to(os.path.relpath(blob, target.parent))
+        except OSError:  # no symlinks (Windows without developer mode): the Hub client copies too
+            shutil.copyfile(blob, target)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / revision).write_text(commit_hash)
+    return snapshot
+
+
+def add_cli(commands) -> None:
+    push = commands.add_parser("push", help="upload an artifact directory to the Hugging Face Hub")
+    push.add_argument("dir", help="the artifact directory (with its README.md model card)")
+    push.add_argument("--repo-id", required=True, help="ORG/NAME or NAME")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--token", default=None, help="a write token (default: the saved one or $HF_TOKEN)")
+    push.add_argument("--message", default=None, help="the commit message")
+    push.add_argument(
+        "--to-cache",
+        metavar="CACHE_DIR",
+        default=None,
+        help="write into a local Hugging Face cache in the Hub's layout instead of uploading (offline machines)",
+    )
+    push.set_defaults(func=_run_push)
+
+
+def _run_push(args) -> int:
+    if args.to_cache is not None:
+        snapshot = populate_hub_cache(args.dir, args.repo_id, cache_dir=args.to_cache)
+        print(f"wrote {snapshot}; load with HF_HUB_CACHE={args.to_cache} HF_HUB_OFFLINE=1")
+        return 0
+    url = push_to_hub(args.dir, args.repo_id, private=args.private, token=args.token, commit_message=args.message)
+    print(f"pushed {args.dir} to {url}")
+    return 0

@@ -1,0 +1,31 @@
+"""`hf-accel train heal ...`: the healing script as a subcommand (drafter training adds `train <drafter>`)."""
+
+import argparse
+
+
+def add_cli(commands) -> None:
+    train = commands.add_parser("train", help="train: heal converted models (drafters later)")
+    methods = train.add_subparsers(dest="what", required=True, metavar="WHAT")
+    # The options are HealingArguments/TrainingArguments fields, parsed by HfArgumentParser in `_run_heal`
+    # (`hf-accel train heal --help` lists them); argparse here only passes them through.
+    heal = methods.add_parser(
+        "heal",
+        add_help=False,
+        help="CE + distillation fine-tuning of a converted model (LoRA or full)",
+        description="options: see `hf-accel train heal --help` (HealingArguments and TrainingArguments)",
+    )
+    heal.set_defaults(func=_run_heal, accepts_unknown_args=True)
+
+
+def _run_heal(args: argparse.Namespace) -> int:
+    from transformers import HfArgumentParser
+
+    from ..cli import print_json
+    from .heal import HealingArguments, run_healing
+
+    parser = HfArgumentParser(HealingArguments, prog="hf-accel train heal")
+    (healing_args,) = parser.parse_args_into_dataclasses(args=args.unknown_args)
+    result = run_healing(healing_args)
+    if healing_args.process_index == 0:
+        print_json(result.summary)
+    return 0

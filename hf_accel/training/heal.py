@@ -1,0 +1,479 @@
+"""Healing a converted model: fine-tuning with cross-entropy plus distillation from the original model.
+
+Spec 000 (CARE) Stage 6: `L = CE + β τ² KL(teacher ‖ student)` with τ = 4, β = 0.5, the teacher being the original
+(unconverted) model, frozen. Training is LoRA (spec 002, Palu App. E: r = 32, α = 32, lr 2e-4, cosine) or full
+fine-tuning. After LoRA, the adapter is merged into the weights, so the healed checkpoint has the converted model's
+architecture, cache and kernels, and loads exactly as the converted one did.
+
+Single process:
+
+    python scripts/heal.py --model_name_or_path CONVERTED_DIR --teacher_model_name_or_path smollm2-135m \
+        --trust_remote_code --train_files corpus.txt --validation_file heldout.txt --output_dir healed
+
+Several processes (one teacher copy per process, on that process's device):
+
+    accelerate launch --num_processes 4 scripts/heal.py ...same options...
+"""
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import logging
+
+from ..hub import copy_remote_code
+from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
+from .losses import compute_healing_loss
+from .monitor import PerplexityCallback, plot_perplexity_curve, read_history
+
+
+logger = logging.get_logger(__name__)
+
+HISTORY_FILE = "ppl_history.json"
+PLOT_FILE = "ppl_curve.png"
+ADAPTER_DIR = "adapter"
+
+
+@dataclass
+class HealingArguments(TrainingArguments):
+    r"""
+    Arguments of [`HealingTrainer`] and `scripts/heal.py`, on top of [`~transformers.TrainingArguments`].
+
+    Spec values not set here (they are `TrainingArguments` fields): CARE full fine-tuning uses `--learning_rate 2e-5
+    --lr_scheduler_type cosine --adam_beta2 0.95 --weight_decay 0.1 --max_grad_norm 1.0`; LoRA uses
+    `--learning_rate 2e-4 --lr_scheduler_type cosine`.
+
+    > Models
+
+    model_name_or_path (`str`, defaults to `"smollm2-135m"`): the student, usually a converted checkpoint.
+    teacher_model_name_or_path (`str`, *optional*): the original model; required when `kd_beta > 0`.
+    trust_remote_code (`bool`, defaults to `False`): needed for converted (CARE, Palu) checkpoints.
+
+    > Loss
+
+    kd_temperature (`float`, defaults to 4.0): τ. kd_beta (`float`, defaults to 0.5): β; 0 is plain cross-entropy.
+
+    > Parameters trained
+
+    use_lora (`bool`, defaults to `True`): LoRA adapters (merged at the end), or full fine-tuning when `False`.
+    lora_r, lora_alpha, lora_dropout: LoRA rank (32), scale numerator (32) and dropout (0.0).
+    lora_target_modules (`str`, defaults to `"attention"`): see [`resolve_lora_target_modules`].
+
+    > Data
+
+    dataset_name, dataset_config, dataset_split, text_column, train_files: the training text, a `datasets` dataset or
+    local text files. train_seq_len: packed block length. max_train_blocks: cap on the number of blocks.
+    validation_file, validation_seq_len, validation_max_tokens, ppl_eval_steps: held-out perplexity during training.
+    """
+
+    model_name_or_path: str = field(
+        default="smollm2-135m",
+        metadata={"help": "The model to heal: a converted checkpoint directory, Hub id, alias."},
+    )
+    teacher_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "The original model (teacher). Required when kd_beta > 0."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow the checkpoints' own modeling code (converted models need it)."}
+    )
+    kd_temperature: float = field(default=4.0, metadata={"help": "Distillation temperature τ (spec: 4)."})
+    kd_beta: float = field(default=0.5, metadata={"help": "Weight β of the τ²-scaled KL term (spec: 0.5)."})
+    use_lora: bool = field(
+        default=True, metadata={"help": "Train LoRA adapters and merge them at the end; False: full fine-tuning."}
+    )
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: str = field(
+        default="attention",
+        metadata={
+            "help": "`attention`: every linear layer inside an attention block, whatever its name (q/k/v/o and "
+            "the down/up projections of converted models); `all-linear`: every linear layer but the LM head; or "
+            "comma-separated regular expressions searched in the full module names."
+        },
+    )
+    train_seq_len: int = field(default=512, metadata={"help": "Length of the packed training blocks, in tokens."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Training dataset: Hub id, local data directory, or save_to_disk directory."}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
+    dataset_split: str = field(default="train", metadata={"help": "The dataset split to train on."})
+    text_column: str = field(default="text", metadata={"help": "The dataset column holding the text."})
+    train_files: list[str] | None = field(
+        default=None, metadata={"help": "Local UTF-8 text files to train on (instead of a dataset)."}
+    )
+    max_train_blocks: int | None = field(default=None, metadata={"help": "Use at most this many training blocks."})
+    validation_file: str | None = field(
+        default=None, metadata={"help": "Held-out UTF-8 text for perplexity during training (not the training text)."}
+    )
+    validation_seq_len: int | None = field(
+        default=None, metadata={"help": "Perplexity window; defaults to train_seq_len."}
+    )
+    validation_max_tokens: int | None = field(
+        default=16384, metadata={"help": "Score only the first N tokens of the validation text."}
+    )
+    ppl_eval_steps: int = field(default=50, metadata={"help": "Measure validation perplexity every N steps."})
+
+    def __post_init__(self):
+        # `--activation_checkpointing` (transformers' default, non-reentrant, also works with frozen embeddings
+        # under LoRA) trades compute for activation memory.
+        self._validate_healing()
+        super().__post_init__()
+
+    def _validate_healing(self) -> None:
+        if self.kd_temperature <= 0:
+            raise ValueError(f"kd_temperature must be positive, got {self.kd_temperature}")
+        if self.kd_beta < 0:
+            raise ValueError(f"kd_beta must be ≥ 0, got {self.kd_beta}")
+        if self.kd_beta > 0 and self.teacher_model_name_or_path is None:
+            raise ValueError(
+                f"kd_beta={self.kd_beta} needs a teacher: pass --teacher_model_name_or_path (the original model), "
+                "or --kd_beta 0 for cross-entropy only"
+            )
+        if (self.dataset_name is None) == (not self.train_files):
+            raise ValueError("give exactly one training source: --dataset_name or --train_files")
+        for name in ("lora_r", "lora_alpha", "train_seq_len", "ppl_eval_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class HealingTrainer(Trainer):
+    """A [`~transformers.Trainer`] whose loss is `CE + β τ² KL(teacher ‖ student)` (see [`compute_healing_loss`]).
+
+    Args:
+        teacher_model (`PreTrainedModel`, *optional*): the frozen original model; moved to the training device and
+            put in eval mode. `None` trains with cross-entropy only.
+        kd_temperature (`float`, *optional*, defaults to 4.0): τ.
+        kd_beta (`float`, *optional*, defaults to 0.5): β.
+        args, kwargs: as for [`~transformers.Trainer`]; `train_dataset` rows need `input_ids` and the collator must
+            add `labels` (see [`PackedBlockCollator`]).
+    """
+
+    def __init__(self, *args, teacher_model=None, kd_temperature: float = 4.0, kd_beta: float = 0.5, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kd_temperature, self.kd_beta = kd_temperature, kd_beta
+        self.teacher_model = teacher_model
+        if teacher_model is not None:
+            self.teacher_model = teacher_model.to(self.args.device).eval().requires_grad_(False)
+        # Our loss always divides by `num_items_in_batch` when given, so let the Trainer count it and not also
+        # divide by the accumulation steps (see Trainer.training_step).
+        self.model_accepts_loss_kwargs = True
+        self._loss_parts = {"ce": [], "kd": []}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        outputs = model(**inputs, use_cache=False)
+        teacher_logits = None
+        if self.teacher_model is not None and self.kd_beta > 0:
+            with torch.no_grad():
+                teacher_logits = self.teacher_model(**inputs, use_cache=False).logits
+        out = compute_healing_loss(
+            outputs.logits,
+            teacher_logits,
+            labels,
+            self.kd_temperature,
+            self.kd_beta,
+            num_items_in_batch=num_items_in_batch,
+        )
+        if model.training:
+            self._record_parts(out, labels, num_items_in_batch)
+        loss = out.loss
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # num_items_in_batch counts every process's tokens; DDP averages gradients: undo that mean (as Trainer).
+            loss = loss * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
+
+    def _record_parts(self, out, labels, num_items_in_batch) -> None:
+        # Log each part as a per-token mean of this micro-batch, whatever the normalisation used for the gradient.
+        # Tensors, not floats: no host sync per step; they are read when the Trainer logs.
+        scale = 1.0
+        if num_items_in_batch is not None:
+            scale = num_items_in_batch / (labels[..., 1:] != -100).sum().clamp(min=1)
+        self._loss_parts["ce"].append((out.ce * scale).detach())
+        self._loss_parts["kd"].append((out.kd * scale).detach())
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs and self._loss_parts["ce"]:
+            for name, values in self._loss_parts.items():
+                logs[f"{name}_loss"] = torch.stack(values).float().mean().item()
+                values.clear()
+        super().log(logs, *args, **kwargs)
+
+
+def resolve_lora_target_modules(model: nn.Module, spec: str = "attention") -> list[str]:
+    """The full names of the linear layers that get LoRA adapters.
+
+    Args:
+        model (`nn.Module`): the model (before `get_peft_model`).
+        spec (`str`, *optional*, defaults to `"attention"`):
+            - `"attention"`: every `nn.Linear` with an ancestor module whose name contains `attn` or `attention`
+              (case-insensitive). This covers q/k/v/o and whatever down/up projections a converted attention has,
+              under any name.
+            - `"all-linear"`: every `nn.Linear` except the output embeddings (LM head).
+            - otherwise comma-separated regular expressions; a linear layer is chosen if one of them is found
+              (`re.search`) in its full name, e.g. `"k_proj,v_proj,kv_(down|up)"`.
+
+    Returns:
+        `list[str]`: sorted full module names, ready for `peft.LoraConfig(target_modules=...)`.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head]
+    if spec == "all-linear":
+        chosen = linears
+    elif spec == "attention":
+        ancestor = re.compile(r"attn|attention", re.IGNORECASE)
+        chosen = [name for name in linears if any(ancestor.search(part) for part in name.split(".")[:-1])]
+    else:
+        patterns = [re.compile(p.strip()) for p in spec.split(",") if p.strip()]
+        chosen = [name for name in linears if any(p.search(name) for p in patterns)]
+    if not chosen:
+        examples = ", ".join(linears[:6])
+        raise ValueError(f"lora_target_modules={spec!r} matches no linear layer; the model has e.g. {examples}")
+    return sorted(chosen)
+
+
+def prepare_student(model, args: HealingArguments):
+    """Wraps `model` with LoRA adapters (`args.use_lora`), or makes every parameter trainable (full fine-tuning)."""
+    if not args.use_lora:
+        return model.requires_grad_(True)
+    from peft import LoraConfig, get_peft_model
+
+    targets = resolve_lora_target_modules(model, args.lora_target_modules)
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    logger.info(f"LoRA on {len(targets)} linear layers, e.g. {targets[:4]}")
+    return get_peft_model(model, config)
+
+
+def _check_finite(model) -> None:
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            raise ValueError(
+                f"the healed weights are not finite in {name}: lower --learning_rate, or train without --fp16"
+            )
+
+
+def save_healed_model(model, tokenizer, output_dir: str | Path, source_dir: str | Path | None = None):
+    """Merges LoRA adapters (if any) and saves a checkpoint that loads like the student did.
+
+    Args:
+        model (`PreTrainedModel` or `PeftModel`): the trained student.
+        tokenizer (`PreTrainedTokenizerBase`): saved beside it.
+        output_dir (`str` or `Path`): the checkpoint directory.
+        source_dir (`str` or `Path`, *optional*): the student's original directory, searched for remote code.
+
+    Returns:
+        the merged `PreTrainedModel`.
+    """
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        model = model.merge_and_unload()
+    _check_finite(model)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    copy_remote_code(model, output_dir, source_dir)
+    return model
+
+
+def _load_models(args: HealingArguments):
+    from ..loading import load_model_and_tokenizer
+
+    student, tokenizer = load_model_and_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    teacher = None
+    if args.kd_beta > 0:
+        teacher, _ = load_model_and_tokenizer(
+            args.teacher_model_name_or_path, trust_remote_code=args.trust_remote_code
+        )
+        if teacher.get_output_embeddings().weight.shape[0] != student.get_output_embeddings().weight.shape[0]:
+            raise ValueError("the teacher and the student have different vocabularies; distillation needs one")
+    return student.train(), teacher, tokenizer
+
+
+def _perplexity_callback(args: HealingArguments, tokenizer, teacher):
+    """The validation-perplexity callback, with the teacher's perplexity as the plot's reference line."""
+    if args.validation_file is None:
+        return None
+    from ..eval.perplexity import compute_perplexity, read_eval_text
+
+    text = read_eval_text(path=args.validation_file)
+    seq_len = args.validation_seq_len or args.train_seq_len
+    history_file = Path(args.output_dir) / HISTORY_FILE
+    reference = read_history(history_file)["reference_ppl"]
+    if reference is None and teacher is not None:
+        reference = compute_perplexity(teacher, tokenizer, text, seq_len, args.validation_max_tokens, progress=False)
+        reference = reference["ppl"]
+    return PerplexityCallback(
+        tokenizer,
+        text,
+        _tokens_per_step(args),
+        args.ppl_eval_steps,
+        history_file,
+        seq_len,
+        args.validation_max_tokens,
+        reference_ppl=reference,
+    )
+
+
+def _resume_target(args: HealingArguments):
+    value = args.resume_from_checkpoint
+    if value is None or value.lower() in ("false", "no", ""):
+        return None
+    if value.lower() in ("true", "last", "latest"):
+        last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+        if last is None:
+            raise ValueError(f"--resume_from_checkpoint {value}: no checkpoint-* directory in {args.output_dir}")
+        return last
+    return value
+
+
+_CARD_SETTINGS = (
+    "kd_temperature",
+    "kd_beta",
+    "use_lora",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "train_seq_len",
+    "dataset_name",
+    "dataset_config",
+    "dataset_split",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta2",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+)
+
+
+def healing_settings(args: HealingArguments, summary: dict | None = None) -> dict:
+    """The healing options worth showing on a model card (prefixed `healing_`), with the run's steps and tokens."""
+    settings = {f"healing_{name}": getattr(args, name) for name in _CARD_SETTINGS if getattr(args, name) is not None}
+    if args.train_files:
+        settings["healing_train_files"] = ", ".join(Path(f).name for f in args.train_files)
+    if not args.use_lora:
+        for name in ("healing_lora_r", "healing_lora_alpha", "healing_lora_target_modules"):
+            settings.pop(name)
+    if summary:
+        settings.update(healing_steps=summary["steps"], healing_train_tokens=summary["train_tokens"])
+    return settings
+
+
+def _write_card(args: HealingArguments, summary: dict) -> None:
+    """A `converted-model` card for the healed checkpoint; the converter's settings and KV bytes are added by
+    calling `hf_accel.hub.write_model_card` again with `settings={**conversion, **healing_settings(args)}`."""
+    from ..hub import hub_base_model, write_model_card
+
+    base = args.teacher_model_name_or_path or args.model_name_or_path
+    try:
+        hub_base_model(base)
+    except ValueError:
+        logger.warning(f"no model card written: the base model {base!r} is not a Hub id (use hf_accel.hub)")
+        return
+    results = None
+    if summary["ppl"] is not None:
+        name = Path(args.validation_file).name
+        results = [{"metric_type": "perplexity", "metric_value": round(summary["ppl"], 4), "dataset_name": name}]
+    write_model_card(
+        args.output_dir,
+        "converted-model",
+        base,
+        settings=healing_settings(args, summary),
+        eval_results=results,
+        description="Healed with cross-entropy plus distillation from the original model (`hf-accel train heal`).",
+    )
+
+
+@dataclass
+class HealingResult:
+    """What [`run_healing`] returns: the healed (merged) model in memory and the run's summary (also written to
+    `healing_summary.json`)."""
+
+    model: object
+    summary: dict
+
+
+def _tokens_per_step(args: HealingArguments) -> int:
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * args.train_seq_len
+
+
+def _build_trainer(args: HealingArguments) -> tuple[HealingTrainer, object, PerplexityCallback | None]:
+    student, teacher, tokenizer = _load_models(args)
+    model = prepare_student(student, args)
+    with args.main_process_first(desc="tokenize and pack"):
+        texts = load_text_dataset(args.dataset_name, args.dataset_config, args.dataset_split, args.train_files)
+        train_dataset = tokenize_and_pack(
+            texts, tokenizer, args.train_seq_len, args.text_column, args.max_train_blocks
+        )
+    callback = _perplexity_callback(args, tokenizer, teacher)
+    trainer = HealingTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        data_collator=PackedBlockCollator(),
+        processing_class=tokenizer,
+        teacher_model=teacher,
+        kd_temperature=args.kd_temperature,
+        kd_beta=args.kd_beta,
+        callbacks=[callback] if callback else None,
+    )
+    return trainer, tokenizer, callback
+
+
+def run_healing(args: HealingArguments) -> HealingResult:
+    """Heals `args.model_name_or_path` and saves the (merged) result to `args.output_dir`.
+
+    Writes, in `args.output_dir`: the healed checkpoint (with its remote code), `adapter/` (LoRA only),
+    `checkpoint-*/` (Trainer checkpoints, resumable), `ppl_history.json` and `ppl_curve.png` (with a validation
+    file), and `healing_summary.json`.
+
+    Args:
+        args ([`HealingArguments`]): every option.
+
+    Returns:
+        [`HealingResult`]; its `summary` has `output_dir`, `steps`, `train_tokens`, `trainable_parameters`, `ppl`
+        (last validation perplexity or `None`), `reference_ppl` (the teacher's) and `plot` (path or `None`). On
+        processes other than the main one, `model` is `None`.
+
+    Example:
+        ```python
+        >>> args = HealingArguments(output_dir="healed", model_name_or_path="converted", trust_remote_code=True,
+        ...     teacher_model_name_or_path="smollm2-135m", train_files=["corpus.txt"], validation_file="heldout.txt")
+        >>> run_healing(args).summary["ppl"]
+        ```
+    """
+    from ..loading import resolve_model
+
+    trainer, tokenizer, callback = _build_trainer(args)
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    result = trainer.train(resume_from_checkpoint=_resume_target(args))
+    summary = {"output_dir": args.output_dir, "steps": result.global_step, "trainable_parameters": trainable}
+    summary.update(train_tokens=result.global_step * _tokens_per_step(args), ppl=None, reference_ppl=None, plot=None)
+    merged = None
+    if trainer.is_world_process_zero():
+        trained = trainer.accelerator.unwrap_model(trainer.model)
+        if args.use_lora:
+            trained.save_pretrained(Path(args.output_dir) / ADAPTER_DIR)
+        source = resolve_model(args.model_name_or_path)
+        merged = save_healed_model(trained, tokenizer, args.output_dir, source if Path(source).is_dir() else None)
+        if callback is not None:
+            history = callback.history
+            summary.update(ppl=history["points"][-1]["ppl"], reference_ppl=history["reference_ppl"])
+            summary["plot"] = str(plot_perplexity_curve(history, Path(args.output_dir) / PLOT_FILE))
+        _write_card(args, summary)
+        (Path(args.output_dir) / "healing_summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    trainer.accelerator.wait_for_everyone()
+    return HealingResult(model=merged, summary=summary)

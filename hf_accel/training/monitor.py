@@ -1,0 +1,118 @@
+"""Validation perplexity while training, and the perplexity-vs-training-tokens plot.
+
+The history is a JSON file `{"reference_ppl": float | null, "points": [{"step", "tokens", "ppl"}, ...]}`, rewritten
+after every evaluation, so an interrupted run keeps its curve and a resumed run continues it.
+"""
+
+import json
+from pathlib import Path
+
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+from ..eval.perplexity import compute_perplexity
+
+
+def read_history(path: str | Path) -> dict:
+    """Reads a perplexity history file; an absent file is an empty history."""
+    path = Path(path)
+    if not path.is_file():
+        return {"reference_ppl": None, "points": []}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def plot_perplexity_curve(history: dict, path: str | Path, title: str | None = None) -> Path:
+    """Writes a PNG of validation perplexity against training tokens.
+
+    Args:
+        history (`dict`): `{"reference_ppl", "points": [{"tokens", "ppl"}, ...]}` (see the module docstring); the
+            reference (the original model's perplexity), when given, is drawn as a horizontal line.
+        path (`str` or `Path`): the PNG file to write.
+        title (`str`, *optional*): the plot title.
+
+    Returns:
+        `Path`: the written file.
+    """
+    # Figure without pyplot: no global state, no display backend needed.
+    from matplotlib.figure import Figure
+
+    points = sorted(history["points"], key=lambda p: p["tokens"])
+    fig = Figure(figsize=(6, 4), dpi=120)
+    ax = fig.subplots()
+    ax.plot([p["tokens"] for p in points], [p["ppl"] for p in points], marker="o", label="healed model")
+    if history.get("reference_ppl") is not None:
+        ax.axhline(history["reference_ppl"], color="gray", linestyle="--", label="original model (teacher)")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title(title or "Healing: validation perplexity")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+class PerplexityCallback(TrainerCallback):
+    """Measures perplexity on held-out text every `eval_steps` optimizer steps (and at steps 0 and last).
+
+    Args:
+        tokenizer (`PreTrainedTokenizerBase`): the model's tokenizer.
+        text (`str`): held-out validation text (not the training text).
+        tokens_per_step (`int`): training tokens per optimizer step, over all processes.
+        eval_steps (`int`): evaluate every this many steps.
+        history_file (`str` or `Path`): where the history is kept (see the module docstring).
+        seq_len (`int`, *optional*, defaults to 512): perplexity window.
+        max_tokens (`int`, *optional*): score only the first `max_tokens` tokens of `text`.
+        reference_ppl (`float`, *optional*): the original model's perplexity on the same text, for the plot.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        text: str,
+        tokens_per_step: int,
+        eval_steps: int,
+        history_file,
+        seq_len: int = 512,
+        max_tokens: int | None = None,
+        reference_ppl: float | None = None,
+    ):
+        if eval_steps <= 0:
+            raise ValueError(f"eval_steps must be positive, got {eval_steps}")
+        self.tokenizer, self.text, self.seq_len, self.max_tokens = tokenizer, text, seq_len, max_tokens
+        self.tokens_per_step, self.eval_steps = tokens_per_step, eval_steps
+        self.history_file = Path(history_file)
+        self.history = {"reference_ppl": reference_ppl, "points": []}
+
+    def _evaluate(self, model, step: int) -> None:
+        was_training = model.training
+        model.eval()
+        result = compute_perplexity(model, self.tokenizer, self.text, self.seq_len, self.max_tokens, progress=False)
+        model.train(was_training)
+        point = {"step": step, "tokens": step * self.tokens_per_step, "ppl": result["ppl"]}
+        self.history["points"].append(point)
+        self.history_file.parent.mkdir(parents=True, exist_ok=True)
+        self.history_file.write_text(json.dumps(self.history, indent=1), encoding="utf-8")
+        tqdm.write(f"step {step}: {point['tokens']} training tokens, validation perplexity {point['ppl']:.3f}")
+
+    def _evaluated(self, step: int) -> bool:
+        return any(p["step"] == step for p in self.history["points"])
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        # A resumed run keeps the points measured before its checkpoint.
+        previous = read_history(self.history_file)["points"]
+        self.history["points"] = [p for p in previous if p["step"] <= state.global_step]
+        if not self._evaluated(state.global_step):
+            self._evaluate(model, state.global_step)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero and state.global_step % self.eval_steps == 0:
+            self._evaluate(model, state.global_step)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero and not self._evaluated(state.global_step):
+            self._evaluate(model, state.global_step)

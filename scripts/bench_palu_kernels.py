@@ -1,0 +1,55 @@
+"""Benchmark Palu decode attention (fused latent×B→RoPE→q·k Triton kernel) against plain SDPA, 4K–64K tokens.
+
+    python scripts/bench_palu_kernels.py                 # human table
+    python scripts/bench_palu_kernels.py --json          # one JSON object
+    python scripts/bench_palu_kernels.py --seq-lens 4096 16384 --group-size 1
+
+Needs a CUDA GPU and triton; without a GPU it says so and exits 0. Timings are medians of CUDA-event timings of one
+decode step of one layer (batch and shapes from the options); record them with the printed GPU name.
+"""
+
+import argparse
+import json
+import sys
+
+from hf_accel.kernels.benchmark import PaluBenchConfig, format_report, run_palu_attention_benchmark
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    defaults = PaluBenchConfig()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=list(defaults.seq_lens))
+    parser.add_argument("--num-heads", type=int, default=defaults.num_heads)
+    parser.add_argument("--num-key-value-heads", type=int, default=defaults.num_key_value_heads)
+    parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
+    parser.add_argument("--group-size", type=int, default=defaults.group_size)
+    parser.add_argument("--key-keep", type=float, default=defaults.key_keep)
+    parser.add_argument("--value-keep", type=float, default=defaults.value_keep)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument("--iters", type=int, default=defaults.iters)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    config = PaluBenchConfig(
+        num_heads=args.num_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+        group_size=args.group_size,
+        key_keep=args.key_keep,
+        value_keep=args.value_keep,
+        batch_size=args.batch_size,
+        seq_lens=tuple(args.seq_lens),
+        warmup=args.warmup,
+        iters=args.iters,
+    )
+    report = run_palu_attention_benchmark(config)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_accel.kernels import benchmark
+from hf_accel.kernels.reference import dequantize_attend, rope_key_scores
+
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_palu_kernels.py"
+
+
+def test_script_without_gpu_says_so_and_exits_zero(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--json", "--seq-lens", "4096"])
+    module = runpy.run_path(str(SCRIPT))
+    assert module["main"](["--json", "--seq-lens", "4096"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["gpu"] is None and report["results"] == [] and "no CUDA GPU" in report["error"]
+    assert module["main"]([]) == 0
+    assert "No GPU" in capsys.readouterr().out
+
+
+def test_benchmarked_palu_path_equals_sdpa_on_reconstructed_states(monkeypatch):
+    # the timed palu path (scores kernel → softmax → p·H^v, B^v folded later) must compute the same attention
+    config = benchmark.PaluBenchConfig(
+        num_heads=8, num_key_value_heads=4, head_dim=16, group_size=2, warmup=0, iters=1
+    )
+    monkeypatch.setattr(benchmark, "_time_ms", lambda fn, warmup, iters: fn() is not None and 1.0)
+    row = benchmark._measure_length(config, 40, rope_key_scores, "cpu", dequantize_attend)
+    assert row["seq_len"] == 40 and row["speedup_vs_full"] == 1.0 and "palu_fused_v4_ms" in row
+    report = {"gpu": "test", "ranks": {}, "max_rel_error": 0.0, "results": [row]}
+    assert "palu_v4" in benchmark.format_report(report)
+    x = {k: v.float() if v.is_floating_point() else v for k, v in benchmark._make_inputs(config, 40, "cpu").items()}
+    latent_out = benchmark._palu_fused(x, config, rope_key_scores)  # [B, G, s·n_rep, r_v]
+    num_rep = config.num_heads // config.num_key_value_heads
+    up_v = x["up_v"].view(config.groups, -1, config.group_size, config.head_dim)  # [G, r_v, s, d]
+    head_kv = torch.arange(config.group_size * num_rep) // num_rep  # kv head (within the group) of each query head
+    out = torch.einsum("bgmr,gmrd->bgmd", latent_out, up_v[:, :, head_kv].permute(0, 2, 1, 3))
+    keys = benchmark._rope(benchmark._reconstruct(x["latent_keys"], x["up_k"], 16), x["positions"], x["inv_freq"])
+    values = benchmark._reconstruct(x["latent_values"], x["up_v"], 16)
+    expected = torch.nn.functional.scaled_dot_product_attention(x["query"], keys, values, enable_gqa=True)
+    torch.testing.assert_close(out.reshape(expected.shape), expected, atol=1e-4, rtol=1e-4)

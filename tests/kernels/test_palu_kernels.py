@@ -1,0 +1,280 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+# Without a GPU the Triton kernels run on CPU through the interpreter; it must be set before triton is imported
+# (hf_accel imports triton only when a triton backend is requested).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_INTERPRETER_TOO_LATE = DEVICE == "cpu" and "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+from hf_accel import kernels
+from hf_accel.kernels import get_kernel, is_triton_available, list_kernels
+from hf_accel.kernels.hadamard import apply_hadamard, fold_hadamard_into_factors
+from hf_accel.kernels.quant import dequantize_per_token, quantize_per_token
+
+
+require_triton = pytest.mark.skipif(
+    not is_triton_available() or _INTERPRETER_TOO_LATE,
+    reason="needs the optional `triton` package, and on CPU TRITON_INTERPRET=1 set before triton is first imported "
+    "(run `TRITON_INTERPRET=1 pytest ...`)",
+)
+
+
+def _inv_freq(head_dim, theta=10000.0):
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
+def _rope_inputs(batch=2, heads=4, kv_heads=2, groups=1, q_len=1, seq_len=10, rank=12, head_dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, q_len, head_dim, generator=gen)
+    latent = torch.randn(batch, groups, seq_len, rank, generator=gen)
+    up_proj = torch.randn(groups, rank, (kv_heads // groups) * head_dim, generator=gen) / rank**0.5
+    positions = torch.randint(0, 4000, (batch, seq_len), generator=gen)
+    return query, latent, up_proj, positions, _inv_freq(head_dim)
+
+
+def _hf_scores(query, latent, up_proj, positions, inv_freq, kv_heads, attention_scaling=1.0):
+    # independent oracle: rebuild keys, rotate with transformers' own RoPE helpers, repeat_kv for GQA
+    batch, groups, seq_len, _ = latent.shape
+    head_dim = query.shape[-1]
+    keys = (latent @ up_proj).view(batch, groups, seq_len, kv_heads // groups, head_dim)
+    keys = keys.permute(0, 1, 3, 2, 4).reshape(batch, kv_heads, seq_len, head_dim)
+    emb = torch.cat([positions[..., None].float() * inv_freq] * 2, dim=-1)
+    cos, sin = emb.cos() * attention_scaling, emb.sin() * attention_scaling
+    _, keys = apply_rotary_pos_emb(keys, keys, cos, sin)
+    keys = repeat_kv(keys, query.shape[1] // kv_heads)
+    return query @ keys.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("groups,kv_heads,heads", [(1, 2, 4), (2, 2, 6), (1, 1, 3), (2, 4, 4)])
+def test_rope_reference_matches_transformers_rope(groups, kv_heads, heads):
+    inputs = _rope_inputs(heads=heads, kv_heads=kv_heads, groups=groups, q_len=3)
+    expected = _hf_scores(*inputs, kv_heads=kv_heads, attention_scaling=0.9)
+    scores = get_kernel("rope_key_scores")(*inputs, attention_scaling=0.9, scaling=0.5)
+    torch.testing.assert_close(scores, 0.5 * expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 500000.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    ],
+)  # fmt: skip
+def test_rope_reference_matches_the_model_rotary_embedding(rope_parameters):
+    # a model's own cos/sin (θ, YaRN attention scaling, llama3 frequencies) from its inv_freq and attention_scaling
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        rope_parameters=rope_parameters,
+    )  # fmt: skip
+    rotary = LlamaRotaryEmbedding(config)
+    query, latent, up_proj, positions, _ = _rope_inputs(seq_len=7)
+    positions = positions % 256
+    cos, sin = rotary(latent, positions)
+    keys = (latent @ up_proj).view(2, 1, 7, 2, 8).permute(0, 1, 3, 2, 4).reshape(2, 2, 7, 8)
+    _, keys = apply_rotary_pos_emb(keys, keys, cos, sin)
+    expected = query @ repeat_kv(keys, 2).transpose(-1, -2)
+    actual = get_kernel("rope_key_scores")(
+        query, latent, up_proj, positions, rotary.inv_freq, attention_scaling=rotary.attention_scaling
+    )
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_rope_reference_accepts_packed_latents():
+    query, latent, up_proj, positions, inv_freq = _rope_inputs(groups=2, kv_heads=2, rank=16)
+    packed = quantize_per_token(latent, 3)
+    expected = get_kernel("rope_key_scores")(query, dequantize_per_token(packed), up_proj, positions, inv_freq)
+    torch.testing.assert_close(get_kernel("rope_key_scores")(query, packed, up_proj, positions, inv_freq), expected)
+
+
+def test_rope_reference_is_invariant_to_folded_hadamard():
+    query, _, up_proj, positions, inv_freq = _rope_inputs(rank=24)
+    down = torch.randn(16, 24)
+    x = torch.randn(2, 1, 10, 16)
+    down_rot, up_rot = fold_hadamard_into_factors(down, up_proj[0])
+    plain = get_kernel("rope_key_scores")(query, x @ down, up_proj, positions, inv_freq)
+    rotated = get_kernel("rope_key_scores")(query, x @ down_rot, up_rot[None], positions, inv_freq)
+    torch.testing.assert_close(rotated, plain, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x @ down_rot, apply_hadamard(x @ down), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_reference_rejects_bad_shapes():
+    query, latent, up_proj, positions, inv_freq = _rope_inputs()
+    with pytest.raises(ValueError, match="latent_keys"):
+        get_kernel("rope_key_scores")(query, latent[0], up_proj, positions, inv_freq)
+    with pytest.raises(ValueError, match="multiple"):
+        get_kernel("rope_key_scores")(query[:, :3], latent, up_proj, positions, inv_freq)
+    with pytest.raises(ValueError, match="key_positions"):
+        get_kernel("rope_key_scores")(query, latent, up_proj, positions[:, :3], inv_freq)
+
+
+def _quantized(batch=2, groups=2, seq_len=9, rank=24, bits=3, group_size=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_per_token(torch.randn(batch, groups, seq_len, rank, generator=gen) * 3, bits, group_size)
+
+
+@pytest.mark.parametrize("weight_batch", [None, 1, 2])
+def test_dequantize_matmul_reference(weight_batch):
+    quantized = _quantized()
+    shape = (2, 24, 20) if weight_batch is None else (weight_batch, 2, 24, 20)
+    weight = torch.randn(*shape)
+    expected = dequantize_per_token(quantized) @ weight
+    torch.testing.assert_close(get_kernel("dequantize_matmul")(quantized, weight), expected)
+    with pytest.raises(ValueError, match="weight"):
+        get_kernel("dequantize_matmul")(quantized, torch.randn(2, 23, 20))
+
+
+def test_registry():
+    assert list_kernels() == {
+        name: ["eager", "triton"] for name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend")
+    }
+    with pytest.raises(ValueError, match="Unknown kernel"):
+        get_kernel("flash")
+    with pytest.raises(ValueError, match="no 'cuda' backend"):
+        get_kernel("rope_key_scores", "cuda")
+    with pytest.raises(ValueError, match="already"):
+        kernels.register_kernel("rope_key_scores", "eager", lambda: None)
+
+
+def test_auto_backend(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kernels.resolve_auto_backend() == "eager"
+    assert get_kernel("dequantize_matmul", "auto") is get_kernel("dequantize_matmul", "eager")
+
+
+def test_package_import_does_not_import_triton():
+    code = "import sys, hf_accel.kernels, hf_accel.kernels.cache; assert 'triton' not in sys.modules"
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(kernels.__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root)
+
+
+def test_triton_backend_without_triton_raises_clear_import_error(monkeypatch):
+    monkeypatch.setattr(kernels, "is_triton_available", lambda: False)
+    with pytest.raises(ImportError, match="pip install 'hf-accel\\[triton\\]'"):
+        get_kernel("dequantize_matmul", "triton")
+
+
+ROPE_CASES = [
+    # batch, heads, kv_heads, groups, q_len, seq_len, rank, head_dim
+    (1, 4, 2, 1, 1, 70, 40, 8),  # two sequence tiles, rank not a multiple of the block
+    (2, 6, 2, 2, 3, 17, 16, 32),  # G-LRD with 2 groups, GQA 3:1, tree of 3 queries
+    (1, 2, 2, 1, 9, 5, 8, 64),  # J-LRD, 18 query rows: two query blocks
+]
+
+
+@require_triton
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_triton_rope_key_scores_matches_reference(case):
+    batch, heads, kv_heads, groups, q_len, seq_len, rank, head_dim = case
+    inputs = _rope_inputs(batch, heads, kv_heads, groups, q_len, seq_len, rank, head_dim, seed=seq_len)
+    expected = get_kernel("rope_key_scores", "eager")(*inputs, attention_scaling=1.1, scaling=0.3)
+    actual = get_kernel("rope_key_scores", "triton")(
+        *[t.to(DEVICE) for t in inputs], attention_scaling=1.1, scaling=0.3
+    )
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@require_triton
+@pytest.mark.parametrize("bits,group_size", [(2, None), (3, 8)])
+def test_triton_rope_key_scores_on_packed_latents(bits, group_size):
+    query, latent, up_proj, positions, inv_freq = _rope_inputs(2, 6, 2, 2, 2, 70, 24, 16, seed=bits)
+    packed = quantize_per_token(latent, bits, group_size)
+    expected = get_kernel("rope_key_scores", "eager")(query, packed, up_proj, positions, inv_freq, scaling=0.25)
+    on_device = [t.to(DEVICE) for t in (query, up_proj, positions, inv_freq)]
+    packed = packed.apply(lambda t: t.to(DEVICE))
+    actual = get_kernel("rope_key_scores", "triton")(on_device[0], packed, *on_device[1:], scaling=0.25)
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@require_triton
+def test_triton_rope_key_scores_half_precision():
+    query, latent, up_proj, positions, inv_freq = _rope_inputs(2, 4, 2, 1, 2, 20, 16, 16, seed=1)
+    half = [query.half(), latent.half(), up_proj.half()]
+    expected = get_kernel("rope_key_scores", "eager")(*half, positions, inv_freq)
+    actual = get_kernel("rope_key_scores", "triton")(*[t.to(DEVICE) for t in half + [positions, inv_freq]])
+    torch.testing.assert_close(actual.cpu(), expected, atol=2e-2, rtol=1e-2)
+
+
+@require_triton
+@pytest.mark.parametrize(
+    "bits,group_size,rank,seq_len,n_out,weight_batch",
+    [(2, None, 24, 9, 20, None), (3, 8, 40, 33, 40, 2), (4, 16, 32, 5, 8, 1)],
+)
+def test_triton_dequantize_matmul_matches_reference(bits, group_size, rank, seq_len, n_out, weight_batch):
+    quantized = _quantized(seq_len=seq_len, rank=rank, bits=bits, group_size=group_size, seed=bits)
+    shape = (2, rank, n_out) if weight_batch is None else (weight_batch, 2, rank, n_out)
+    weight = torch.randn(*shape)
+    expected = get_kernel("dequantize_matmul", "eager")(quantized, weight)
+    actual = get_kernel("dequantize_matmul", "triton")(quantized.apply(lambda t: t.to(DEVICE)), weight.to(DEVICE))
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_dequantize_attend_reference():
+    quantized = _quantized(groups=2, seq_len=9, rank=24)
+    probs = torch.rand(2, 6, 2, 7).softmax(-1)  # 3 heads per group, 2 queries, first 7 of 9 tokens
+    values = dequantize_per_token(quantized)[:, :, :7]
+    expected = torch.stack([probs[:, h] @ values[:, h // 3] for h in range(6)], dim=1)
+    torch.testing.assert_close(get_kernel("dequantize_attend")(probs, quantized), expected)
+    with pytest.raises(ValueError, match="multiple of 2 heads"):
+        get_kernel("dequantize_attend")(probs[:, :5], quantized)
+
+
+@require_triton
+@pytest.mark.parametrize(
+    "bits,group_size,heads,q_len,used,seq_len,rank",
+    [(4, None, 4, 1, 70, 70, 40), (3, 8, 6, 3, 20, 25, 24), (2, None, 2, 1, 0, 4, 16), (3, None, 2, 9, 5, 5, 32)],
+)
+def test_triton_dequantize_attend_matches_reference(bits, group_size, heads, q_len, used, seq_len, rank):
+    quantized = _quantized(groups=2, seq_len=seq_len, rank=rank, bits=bits, group_size=group_size, seed=used)
+    probs = torch.rand(2, heads, q_len, used).softmax(-1) if used else torch.zeros(2, heads, q_len, 0)
+    expected = get_kernel("dequantize_attend", "eager")(probs, quantized)
+    actual = get_kernel("dequantize_attend", "triton")(probs.to(DEVICE), quantized.apply(lambda t: t.to(DEVICE)))
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not is_triton_available(), reason="needs the optional `triton` package")
+def test_triton_kernels_compile_for_h100_without_a_gpu():
+    # the interpreter does not lower the kernels: compile them for sm_90 in a process without TRITON_INTERPRET
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(kernels.__file__)))
+    env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+    script = os.path.join(os.path.dirname(__file__), "compile_triton_kernels.py")
+    result = subprocess.run(
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("compiled ") == 4
+
+
+@require_triton
+@pytest.mark.parametrize("window", [0, 3])
+def test_cache_fused_reads_with_triton_backend(window):
+    from hf_accel.kernels.cache import PaluQuantizedLayer
+
+    gen = torch.Generator().manual_seed(window)
+    layer = PaluQuantizedLayer(bits=4, residual_length=window)
+    for tokens in (9, 1):
+        layer.update(*(torch.randn(1, 2, tokens, r, generator=gen).to(DEVICE) for r in (16, 24)))
+    query, up_proj = torch.randn(1, 4, 1, 16, generator=gen), torch.randn(2, 16, 16, generator=gen)
+    positions, inv_freq = torch.arange(10).expand(1, -1), _inv_freq(16)
+    args = [t.to(DEVICE) for t in (query, up_proj, positions, inv_freq)]
+    torch.testing.assert_close(
+        layer.key_scores(*args, backend="triton").cpu(), layer.key_scores(*args).cpu(), atol=1e-4, rtol=1e-4
+    )
+    probs = torch.rand(1, 4, 1, 10, generator=gen).softmax(-1).to(DEVICE)
+    torch.testing.assert_close(
+        layer.attend_values(probs, backend="triton").cpu(), layer.attend_values(probs).cpu(), atol=1e-5, rtol=1e-4
+    )

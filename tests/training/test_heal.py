@@ -1,0 +1,302 @@
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from hf_accel.training.data import PackedBlockCollator, pack_token_ids
+from hf_accel.training.heal import HealingArguments, resolve_lora_target_modules, run_healing
+from tests.tiny_checkpoints import logits_in_fresh_process, sample_logits, write_tiny_llama, write_tiny_remote_model
+
+
+TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 40
+HELD_OUT = "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles.\n" * 4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heal")
+    (root / "train.txt").write_text(TEXT)
+    (root / "heldout.txt").write_text(HELD_OUT)
+    return {
+        "root": root,
+        "student": write_tiny_remote_model(root / "student", seed=1),
+        "teacher": write_tiny_llama(root / "teacher", seed=0),
+    }
+
+
+def _args(checkpoints, output_dir, **overrides):
+    root = checkpoints["root"]
+    kwargs = {
+        "output_dir": str(output_dir),
+        "model_name_or_path": str(checkpoints["student"]),
+        "trust_remote_code": True,
+        "teacher_model_name_or_path": str(checkpoints["teacher"]),
+        "train_files": [str(root / "train.txt")],
+        "validation_file": str(root / "heldout.txt"),
+        "train_seq_len": 32,
+        "validation_max_tokens": 128,
+        "ppl_eval_steps": 2,
+        "per_device_train_batch_size": 2,
+        "max_steps": 4,
+        "save_steps": 2,
+        "logging_steps": 1,
+        "learning_rate": 1e-2,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+    }
+    kwargs.update(overrides)
+    return HealingArguments(**kwargs)
+
+
+def test_pack_token_ids_concatenates_with_separator_and_drops_the_tail():
+    assert pack_token_ids([[5, 6, 7], [8], [9]], seq_len=3, separator_id=2) == [[5, 6, 7], [2, 8, 2]]
+    assert pack_token_ids([[5, 6, 7, 8, 9]], seq_len=2) == [[5, 6], [7, 8]]
+    batch = PackedBlockCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 10]}])
+    assert torch.equal(batch["labels"], batch["input_ids"]) and batch["attention_mask"].all()
+
+
+def test_healing_arguments_need_a_teacher_for_distillation(tmp_path):
+    with pytest.raises(ValueError, match="teacher"):
+        HealingArguments(output_dir=str(tmp_path), train_files=["x.txt"])
+    with pytest.raises(ValueError, match="exactly one"):
+        HealingArguments(output_dir=str(tmp_path), kd_beta=0.0)
+
+
+def test_lora_targets_include_renamed_latent_projections(checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["student"], trust_remote_code=True)
+    targets = resolve_lora_target_modules(model)
+    assert "model.layers.1.self_attn.k_proj.down" in targets and "model.layers.1.self_attn.v_proj.up" in targets
+    assert not any("mlp" in t or "lm_head" in t for t in targets)
+    assert resolve_lora_target_modules(model, r"k_proj\.down") == [
+        f"model.layers.{i}.self_attn.k_proj.down" for i in (0, 1)
+    ]
+    with pytest.raises(ValueError, match="matches no linear layer"):
+        resolve_lora_target_modules(model, "nothing_here")
+
+
+@pytest.fixture(scope="module")
+def lora_run(checkpoints):
+    output_dir = checkpoints["root"] / "healed"
+    result = run_healing(_args(checkpoints, output_dir, activation_checkpointing=True))
+    return output_dir, result
+
+
+def test_lora_healing_trains_merges_and_reports(checkpoints, lora_run):
+    from transformers import AutoModelForCausalLM
+
+    output_dir, result = lora_run
+    summary = result.summary
+    assert summary["steps"] == 4 and summary["train_tokens"] == 4 * 2 * 32
+    history = json.loads((output_dir / "ppl_history.json").read_text())
+    assert [p["step"] for p in history["points"]] == [0, 2, 4]
+    assert history["reference_ppl"] is not None and summary["ppl"] == history["points"][-1]["ppl"]
+    assert (output_dir / "ppl_curve.png").stat().st_size > 1000
+    assert (output_dir / "adapter" / "adapter_config.json").is_file()
+    state = json.loads((output_dir / "checkpoint-4" / "trainer_state.json").read_text())
+    losses = [e["loss"] for e in state["log_history"] if "loss" in e]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert all("kd_loss" in e and "ce_loss" in e for e in state["log_history"] if "loss" in e)
+
+    # LoRA touched the attention projections (renamed ones included), nothing else.
+    original = AutoModelForCausalLM.from_pretrained(checkpoints["student"], trust_remote_code=True).state_dict()
+    merged = result.model.state_dict()
+    changed = {k for k in original if not torch.equal(original[k], merged[k])}
+    assert "model.layers.0.self_attn.k_proj.down.weight" in changed
+    assert "model.layers.0.self_attn.v_proj.up.weight" in changed
+    assert all(".self_attn." in k for k in changed)
+
+
+def test_merged_checkpoint_reloads_identically_in_a_fresh_process(lora_run, tmp_path):
+    output_dir, result = lora_run
+    config = json.loads((output_dir / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_tiny_latent.TinyLatentForCausalLM"
+    assert (output_dir / "modeling_tiny_latent.py").is_file()
+    assert (output_dir / "configuration_tiny_latent.py").is_file()
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    logits, name = logits_in_fresh_process(str(output_dir), tmp_path / "logits.pt", env)
+    assert name == "TinyLatentForCausalLM"
+    torch.testing.assert_close(logits, sample_logits(result.model), rtol=1e-5, atol=1e-5)
+
+
+def test_resume_from_checkpoint_continues_the_run(checkpoints, lora_run):
+    output_dir, _ = lora_run
+    result = run_healing(_args(checkpoints, output_dir, max_steps=6, resume_from_checkpoint="last"))
+    assert result.summary["steps"] == 6
+    state = json.loads((output_dir / "checkpoint-6" / "trainer_state.json").read_text())
+    steps = [e["step"] for e in state["log_history"] if "loss" in e]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    history = json.loads((output_dir / "ppl_history.json").read_text())
+    assert [p["step"] for p in history["points"]] == [0, 2, 4, 6]
+
+
+def test_full_fine_tuning_without_teacher_changes_every_layer(checkpoints, tmp_path):
+    args = _args(
+        checkpoints,
+        tmp_path / "full",
+        model_name_or_path=str(checkpoints["teacher"]),
+        trust_remote_code=False,
+        teacher_model_name_or_path=None,
+        kd_beta=0.0,
+        use_lora=False,
+        validation_file=None,
+        max_steps=2,
+        learning_rate=1e-3,
+    )
+    result = run_healing(args)
+    assert result.summary["trainable_parameters"] == sum(p.numel() for p in result.model.parameters())
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"]).state_dict()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").state_dict()
+    assert not torch.equal(
+        original["model.layers.0.mlp.down_proj.weight"], reloaded["model.layers.0.mlp.down_proj.weight"]
+    )
+    assert not (tmp_path / "full" / "adapter").exists()
+
+
+def test_cli_train_heal_runs_the_same_pipeline(checkpoints, tmp_path, capsys):
+    from hf_accel.cli import main
+
+    root = checkpoints["root"]
+    argv = [
+        "train",
+        "heal",
+        "--model_name_or_path",
+        str(checkpoints["teacher"]),
+        "--kd_beta",
+        "0",
+        "--train_files",
+        str(root / "train.txt"),
+        "--output_dir",
+        str(tmp_path / "cli"),
+        "--train_seq_len",
+        "32",
+        "--max_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "2",
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "true",
+        "--lora_r",
+        "2",
+        "--lora_alpha",
+        "2",
+        "--lora_target_modules",
+        r"q_proj,v_proj",
+        "--disable_tqdm",
+        "true",
+    ]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 1 and summary["ppl"] is None
+    assert json.loads((tmp_path / "cli" / "adapter" / "adapter_config.json").read_text())["r"] == 2
+    # Bad options are one line on stderr and exit code 2, not a traceback.
+    assert main(["train", "heal", "--train_files", "x.txt"]) == 2
+    assert "needs a teacher" in capsys.readouterr().err
+    assert main(["train", "heal", "--kd_beta", "0", "--train_files", "x.txt", "--no_such_option", "1"]) == 2
+    assert "--no_such_option" in capsys.readouterr().err
+
+
+def test_healing_settings_for_the_model_card(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from hf_accel.hub import write_model_card
+    from hf_accel.training.heal import healing_settings
+
+    args = HealingArguments(
+        output_dir=str(tmp_path),
+        teacher_model_name_or_path="smollm2-135m",
+        train_files=["/data/corpus.txt"],
+        learning_rate=2e-4,
+        report_to="none",
+    )
+    settings = healing_settings(args, {"steps": 10, "train_tokens": 5120})
+    assert settings["healing_kd_temperature"] == 4.0 and settings["healing_kd_beta"] == 0.5
+    assert settings["healing_lora_r"] == 32 and settings["healing_train_files"] == "corpus.txt"
+    assert settings["healing_train_tokens"] == 5120
+    write_model_card(tmp_path, "converted-model", "smollm2-135m", settings={"kv_keep": 0.5, **settings})
+    assert "`healing_kd_beta` | `0.5`" in ModelCard.load(tmp_path / "README.md").text
+
+
+def test_scripts_heal_parses_healing_arguments(capsys):
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "heal.py"), run_name="heal_script")
+    with pytest.raises(SystemExit) as exit_info:
+        script["main"](["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--teacher_model_name_or_path" in out and "--lora_target_modules" in out and "--output_dir" in out
+
+
+def test_dataset_sources_tokenize_and_pack(tmp_path):
+    import datasets
+
+    from hf_accel.training.data import load_text_dataset, tokenize_and_pack
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    datasets.Dataset.from_dict({"content": ["abc", "", "de"]}).save_to_disk(str(tmp_path / "saved"))
+    rows = load_text_dataset(dataset_name=str(tmp_path / "saved"))
+    packed = tokenize_and_pack(rows, tokenizer, seq_len=3, text_column="content")
+    ids = tokenizer("abcde", add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    # "abc" EOS "de" EOS: 7 tokens, two blocks of 3 (empty rows are skipped).
+    assert packed["input_ids"] == [ids[:3], [eos, ids[3], ids[4]]]
+    (tmp_path / "a.txt").write_text("hello")
+    assert load_text_dataset(text_files=[str(tmp_path / "a.txt")])["text"] == ["hello"]
+    with pytest.raises(FileNotFoundError):
+        load_text_dataset(text_files=[str(tmp_path / "missing.txt")])
+    with pytest.raises(ValueError, match="no column"):
+        tokenize_and_pack(rows, tokenizer, seq_len=3)
+
+
+def test_healing_moves_a_damaged_student_towards_its_teacher(checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel.training.losses import compute_kd_loss
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    teacher = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"]).eval()
+    damaged = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in damaged.model.layers:  # a crude "conversion": noisy key/value projections
+            layer.self_attn.k_proj.weight.add_(0.2 * torch.randn_like(layer.self_attn.k_proj.weight))
+            layer.self_attn.v_proj.weight.add_(0.2 * torch.randn_like(layer.self_attn.v_proj.weight))
+    damaged.save_pretrained(tmp_path / "damaged")
+    make_char_tokenizer().save_pretrained(tmp_path / "damaged")
+    input_ids = make_char_tokenizer()(HELD_OUT[:64], return_tensors="pt")["input_ids"]
+
+    def distance(model):
+        with torch.no_grad():
+            student_logits, teacher_logits = model.eval()(input_ids).logits, teacher(input_ids).logits
+            return compute_kd_loss(student_logits, teacher_logits, input_ids, temperature=1.0).item()
+
+    before = distance(damaged)
+    args = _args(
+        checkpoints,
+        tmp_path / "healed",
+        model_name_or_path=str(tmp_path / "damaged"),
+        trust_remote_code=False,
+        validation_file=None,
+        kd_beta=100.0,  # distillation only, in effect: CE on this tiny text would pull away from the teacher
+        kd_temperature=1.0,
+        use_lora=False,
+        max_steps=12,
+        save_steps=100,
+        learning_rate=1e-3,
+    )
+    after = distance(run_healing(args).model)
+    assert after < 0.8 * before
