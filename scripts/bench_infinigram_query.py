@@ -45,7 +45,7 @@ def main():
     build_s = None
     if not (out / "header.json").exists():
         start = time.perf_counter()
-        header = build_index(synthetic_documents(int(args.tokens)), out, "synthetic", "0" * 16, 49152, ["synthetic"])
+        build_index(synthetic_documents(int(args.tokens)), out, "synthetic", "0" * 16, 49152, ["synthetic"])
         build_s = time.perf_counter() - start
     index = InfinigramIndex(out)
     # Contexts: 512 tokens of corpus text (so the suffix matches), or with a fresh random tail.

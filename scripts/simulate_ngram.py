@@ -8,8 +8,8 @@ not indexed). Prints mean accepted length and estimated speedup for a grid of se
 
 import argparse
 import itertools
-import os
 import json
+import os
 import tempfile
 
 from transformers import AutoTokenizer
@@ -31,22 +31,26 @@ def main():
     parser.add_argument("--eval-last", type=int, default=20)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--extra-docs", default=None, help="pickled list of token-id documents added to the index")
-    parser.add_argument("--grid", default="{}", help='JSON dict of InfinigramConfig field -> list of values')
+    parser.add_argument("--grid", default="{}", help="JSON dict of InfinigramConfig field -> list of values")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     prompts = {p.question_id: p for p in load_prompts(args.prompts, tokenizer, args.limit, args.offset)}
-    records = [json.loads(line) for line in open(args.cache) if line.strip()]
+    with open(args.cache) as f:
+        records = [json.loads(line) for line in f if line.strip()]
     records = [r for r in records if r["question_id"] in prompts]
     order = list(prompts)
     records.sort(key=lambda r: order.index(r["question_id"]))
     build, held = records[: -args.eval_last], records[-args.eval_last :]
-    cases = [(tokenizer(prompts[r["question_id"]].text, add_special_tokens=False)["input_ids"], r["tokens"]) for r in held]
+    cases = [
+        (tokenizer(prompts[r["question_id"]].text, add_special_tokens=False)["input_ids"], r["tokens"]) for r in held
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         documents = [r["tokens"] for r in build]
         if args.extra_docs:
             import pickle
 
-            documents += pickle.load(open(args.extra_docs, "rb"))
+            with open(args.extra_docs, "rb") as f:
+                documents += pickle.load(f)
         header, _ = build_index_from_documents(documents, tokenizer, tmp, ["simulation"])
         index = InfinigramIndex(tmp)
         grid = json.loads(args.grid)
@@ -57,9 +61,18 @@ def main():
             for use_index in json.loads(os.environ.get("SIM_INDEX", "[false, true]")):
                 drafter = InfinigramDrafter(index if use_index else None, config=InfinigramConfig(**overrides))
                 r = simulate_greedy(drafter, cases)
-                print(json.dumps({"index": use_index, **overrides, "mean_accepted": round(r.mean_accepted, 3),
-                                  "est_speedup": round(r.estimated_speedup, 3),
-                                  "nodes_per_pass": round(r.draft_nodes / r.passes, 2)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "index": use_index,
+                            **overrides,
+                            "mean_accepted": round(r.mean_accepted, 3),
+                            "est_speedup": round(r.estimated_speedup, 3),
+                            "nodes_per_pass": round(r.draft_nodes / r.passes, 2),
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -63,7 +63,9 @@ def select_cache_positions(cache, prefix_length: int, tail_index: torch.LongTens
             continue
         index = tail_index.to(layer.keys.device)
         # [B, H, S, D] -> crop to the prefix, then append the gathered accepted nodes.
-        layer.keys = torch.cat([layer.keys[..., :prefix_length, :], _gather_seq(layer.keys[..., prefix_length:, :], index)], -2)
+        layer.keys = torch.cat(
+            [layer.keys[..., :prefix_length, :], _gather_seq(layer.keys[..., prefix_length:, :], index)], -2
+        )
         layer.values = torch.cat(
             [layer.values[..., :prefix_length, :], _gather_seq(layer.values[..., prefix_length:, :], index)], -2
         )

@@ -55,7 +55,9 @@ def _run_build(args) -> int:
 
         prompts = load_prompts(source, tokenizer, limit=args.limit, offset=args.offset)
         tic = time.perf_counter()
-        documents += self_distill(model, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size, args.model)
+        documents += self_distill(
+            model, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size, args.model
+        )
         generation_s += time.perf_counter() - tic
         sources.append(f"self-distill:{source}:offset={args.offset}:limit={args.limit}:max_new={args.max_new_tokens}")
     prepare_s = time.perf_counter() - start

@@ -9,6 +9,7 @@ moving average per token count; a count never measured takes the default shape, 
 nearest to it (in log scale).
 """
 
+import itertools
 import math
 
 
@@ -20,7 +21,7 @@ def interpolate_cost(num_tokens: int, points) -> float:
     points = sorted(points)
     if num_tokens <= points[0][0]:
         return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
         if num_tokens <= x1:
             return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
     (x0, y0), (x1, y1) = points[-2], points[-1]

@@ -297,7 +297,9 @@ class SpeculativeEngine:
             cache = DynamicCache(config=self.model.config)
         validate_cache_for_speculation(cache)
         if cache.get_seq_length() > 0:
-            raise ValueError("speculative decoding starts from an empty cache; pass no `past_key_values` (or an empty one)")
+            raise ValueError(
+                "speculative decoding starts from an empty cache; pass no `past_key_values` (or an empty one)"
+            )
         if position_ids is None:
             position_ids = (state.prompt_mask.cumsum(-1) - 1).clamp(min=0)
         # Same inputs as `generate`'s own prefill (2D mask or None, cumsum positions), hence the same logits.
@@ -392,7 +394,7 @@ class SpeculativeEngine:
         """Accepted path (verification node indices, root first) and bonus token of every row."""
         num_nodes = tree_ids.shape[1]
         if not self.do_sample:
-            best, path_mask, bonus = greedy_accept(
+            _best, path_mask, bonus = greedy_accept(
                 tree_ids, ancestors[:, :num_nodes, :num_nodes], parent, scores.argmax(-1), node_valid
             )
             return [m.nonzero().flatten().tolist() for m in path_mask], bonus.tolist()

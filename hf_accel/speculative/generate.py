@@ -103,7 +103,11 @@ def _find_streamer():
     frame = inspect.currentframe()
     try:
         while frame is not None:
-            if frame.f_code.co_name == "generate" and "streamer" in frame.f_locals and "custom_generate" in frame.f_locals:
+            if (
+                frame.f_code.co_name == "generate"
+                and "streamer" in frame.f_locals
+                and "custom_generate" in frame.f_locals
+            ):
                 return frame.f_locals["streamer"]
             frame = frame.f_back
         return None

@@ -53,7 +53,7 @@ def _ragged_batch(batch_size=4, width=9, seed=0):
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_greedy_identity_chain_and_tree(tiny_llama, tree, batch_size):
     input_ids, attention_mask = _ragged_batch(batch_size)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=24, do_sample=False)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 24, "do_sample": False}
     reference = tiny_llama.generate(**kwargs)
     drafter = ReferenceDrafter(reference, depth=5, tree=tree)
     out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
@@ -68,8 +68,8 @@ def test_eos_mid_draft_and_rows_finishing_at_different_times():
     input_ids, attention_mask = _ragged_batch(4, seed=3)
     free = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False)
     eos = int(free[0, input_ids.shape[1] + 5])  # a token row 0 emits mid-way
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False,
-                  eos_token_id=eos, pad_token_id=0)  # fmt: skip
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 20, "do_sample": False,
+                  "eos_token_id": eos, "pad_token_id": 0}  # fmt: skip
     reference = model.generate(**kwargs)
     # Draft the EOS-free continuation 8 tokens deep: drafts run past EOS and must be cut there.
     out = model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(free, 8, corrupt_every=0))
@@ -78,7 +78,7 @@ def test_eos_mid_draft_and_rows_finishing_at_different_times():
 
 def test_max_new_tokens_and_max_length_mid_draft(tiny_llama):
     input_ids, attention_mask = _ragged_batch(2)
-    for limit in (dict(max_new_tokens=5), dict(max_length=input_ids.shape[1] + 3)):
+    for limit in ({"max_new_tokens": 5}, {"max_length": input_ids.shape[1] + 3}):
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **limit)
         reference = tiny_llama.generate(**kwargs)
         long_reference = tiny_llama.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=16)
@@ -91,7 +91,7 @@ def test_max_new_tokens_and_max_length_mid_draft(tiny_llama):
 @given(data=st.data())
 def test_random_trees_never_change_greedy_output(tiny_llama, data):
     input_ids, attention_mask = _ragged_batch(data.draw(st.integers(1, 3)), seed=data.draw(st.integers(0, 5)))
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False}
     reference = tiny_llama.generate(**kwargs)
 
     class RandomTreeDrafter:
@@ -139,6 +139,7 @@ def test_sampling_keeps_target_distribution(stochastic):
     prompt = torch.tensor([[3, 5, 7]])
     temperature, top_k = 0.9, 4
     with torch.no_grad():  # exact law of (t1, t2) under temperature + top-k
+
         def law(ids):
             logits = model(ids).logits[0, -1] / temperature
             logits[logits < logits.topk(top_k).values[-1]] = -float("inf")
@@ -162,8 +163,8 @@ def test_sampling_keeps_target_distribution(stochastic):
 
 def test_sampling_is_reproducible_with_seed(tiny_llama):
     input_ids, attention_mask = _ragged_batch(2)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=True,
-                  temperature=0.7, custom_generate=custom_generate)  # fmt: skip
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 10, "do_sample": True,
+                  "temperature": 0.7, "custom_generate": custom_generate}  # fmt: skip
     reference = tiny_llama.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=10)
     outs = []
     for _ in range(2):
@@ -228,12 +229,12 @@ def test_hidden_states_and_auxiliary_inputs_reach_the_drafter(tiny_llama):
     torch.testing.assert_close(first.aux_logits[0], expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("processor", [dict(repetition_penalty=1.5), dict(min_new_tokens=8, no_repeat_ngram_size=2)])
+@pytest.mark.parametrize("processor", [{"repetition_penalty": 1.5}, {"min_new_tokens": 8, "no_repeat_ngram_size": 2}])
 def test_context_dependent_processors_keep_greedy_identity(processor):
     """Processors that read the context see each tree node's own path (left-padded batch of 2)."""
     model = make_tiny_llama(seed=2)
     input_ids, attention_mask = _ragged_batch(2, seed=4)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=16, do_sample=False)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 16, "do_sample": False}
     free = model.generate(**kwargs)
     reference = model.generate(**kwargs, **processor)
     for drafts_from in (free, reference):

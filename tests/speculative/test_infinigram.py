@@ -121,7 +121,7 @@ def test_infinigram_greedy_identity_tiny_model(tiny_llama, tmp_path, tree):
     """Context-only and indexed drafting never change greedy output (batch 3, ragged)."""
     input_ids = torch.tensor([[0, 0, 5, 6, 7, 5, 6], [8, 9, 10, 8, 9, 10, 8], [0, 11, 12, 13, 11, 12, 13]])
     attention_mask = (input_ids != 0).long()
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=30, do_sample=False)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 30, "do_sample": False}
     reference = tiny_llama.generate(**kwargs)
     name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(97))
     build_index([row.tolist() for row in reference], tmp_path / "idx", name, vocab_hash, vocab_size)

@@ -20,7 +20,9 @@ def _divergence_report(model, reference, out, prompt_length):
             with torch.no_grad():
                 logits = model(reference[b : b + 1, :pos]).logits[0, -1]
             top = logits.topk(2).values
-            lines.append(f"row {b}: first difference at new token {pos - prompt_length}, top-2 gap {top[0] - top[1]:.3e}")
+            lines.append(
+                f"row {b}: first difference at new token {pos - prompt_length}, top-2 gap {top[0] - top[1]:.3e}"
+            )
     return "; ".join(lines)
 
 
@@ -35,8 +37,8 @@ def test_real_model_greedy_identity_batch(default_model):
         ),
     ]  # fmt: skip
     inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    kwargs = dict(max_new_tokens=40, do_sample=False, temperature=None, top_k=None, top_p=None,
-                  pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    kwargs = {"max_new_tokens": 40, "do_sample": False, "temperature": None, "top_k": None, "top_p": None,
+                  "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
     reference = model.generate(**inputs, **kwargs)
     out = model.generate(**inputs, **kwargs, custom_generate=custom_generate,
                          drafter=build_drafter("ngram", None, model, tokenizer))  # fmt: skip

@@ -24,7 +24,9 @@ from .index import IndexHeader, build_index, tokenizer_fingerprint
 SELF_DISTILL_CACHE = "self_distill.jsonl"
 
 
-def iter_text_file_documents(paths: Iterable[str | Path], tokenizer, chunk_chars: int = 1 << 20) -> Iterator[list[int]]:
+def iter_text_file_documents(
+    paths: Iterable[str | Path], tokenizer, chunk_chars: int = 1 << 20
+) -> Iterator[list[int]]:
     """Token ids of each text file (one document per file, tokenized in chunks of `chunk_chars` characters)."""
     for path in paths:
         path = Path(path)
@@ -37,7 +39,9 @@ def iter_text_file_documents(paths: Iterable[str | Path], tokenizer, chunk_chars
         yield ids
 
 
-def iter_dataset_documents(name: str, tokenizer, split: str = "train", text_column: str = "text") -> Iterator[list[int]]:
+def iter_dataset_documents(
+    name: str, tokenizer, split: str = "train", text_column: str = "text"
+) -> Iterator[list[int]]:
     """Token ids of each record's `text_column` of a `datasets` dataset (save_to_disk directory or Hub id/files)."""
     import datasets
 
@@ -58,8 +62,14 @@ def _cache_key(model_name: str, text: str, max_new_tokens: int) -> str:
 
 
 def self_distill(
-    model, tokenizer, prompts, out_dir: str | Path, max_new_tokens: int = 256, batch_size: int = 8,
-    model_name: str = "", use_speculation: bool = True,
+    model,
+    tokenizer,
+    prompts,
+    out_dir: str | Path,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    model_name: str = "",
+    use_speculation: bool = True,
 ) -> list[list[int]]:
     """Greedy answers of `model` to `prompts` (cached in `out_dir/self_distill.jsonl`); returns response token ids.
 

@@ -99,7 +99,9 @@ def build_index(
     del suffix_array
     counts = np.bincount(tokens[tokens != SEPARATOR].astype(np.int64), minlength=vocab_size)
     np.save(out / "first.npy", np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
-    header = IndexHeader(tokenizer_name, vocab_hash, int(vocab_size), len(tokens), num_documents, sa_dtype, sources or [])
+    header = IndexHeader(
+        tokenizer_name, vocab_hash, int(vocab_size), len(tokens), num_documents, sa_dtype, sources or []
+    )
     (out / "header.json").write_text(json.dumps(asdict(header), indent=1))
     return header
 

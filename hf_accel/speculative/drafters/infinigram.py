@@ -32,7 +32,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..cost import DEFAULT_VERIFY_COST, AcceptanceCalibrator, PassCostModel
 from ..tree import DraftTree
@@ -286,7 +285,9 @@ class InfinigramDrafter:
         chosen = sorted(chosen, key=lambda n: (-scores[n], n)) if cfg.tree else chosen
         position = {node: i for i, node in enumerate(chosen)}
         return (
-            [tokens[n] for n in chosen], [position.get(parents[n], -1) for n in chosen], [scores[n] for n in chosen]
+            [tokens[n] for n in chosen],
+            [position.get(parents[n], -1) for n in chosen],
+            [scores[n] for n in chosen],
         )
 
     def _match_groups(self, context: np.ndarray, depth: int) -> list[tuple[int, bool, np.ndarray]]:

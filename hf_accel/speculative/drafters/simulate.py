@@ -35,7 +35,7 @@ def accepted_length(tokens: list[int], parents: list[int], target: list[int]) ->
     """Draft tokens accepted under greedy verification when the target continues with `target` (one row)."""
     depth_of, accepted = {}, 0
     for node, (token, parent) in enumerate(zip(tokens, parents)):
-        depth = 0 if parent < 0 else depth_of.get(parent, -10**9) + 1
+        depth = 0 if parent < 0 else depth_of.get(parent, -(10**9)) + 1
         if depth >= 0 and depth < len(target) and token == target[depth]:
             depth_of[node] = depth
             accepted = max(accepted, depth + 1)
