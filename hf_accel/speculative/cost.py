@@ -65,38 +65,43 @@ class PassCostModel:
 
 
 class AcceptanceCalibrator:
-    """Maps a drafter's node score to the observed probability that such a node is accepted (online, binned).
+    """Maps a drafter's node score and depth to the observed probability that such a node is accepted (online).
 
-    A drafter's confidence is rarely calibrated (an n-gram's empirical probability overrates short matches in chat,
-    underrates them in code), and sizing a tree needs probabilities. Each bin of the score range keeps decayed counts
-    of drafted and accepted nodes, starting from `prior_count` pseudo-nodes accepted at the bin's centre score (so
-    an unseen bin trusts the score).
+    A drafter's confidence is rarely calibrated: an n-gram path's empirical probability stays flat along a single
+    matched continuation while the chance that the target still agrees decays with depth, and short matches are
+    overrated in chat. Sizing a tree needs probabilities, so each (score bin, depth bucket) cell keeps decayed
+    counts of drafted and accepted nodes, starting from `prior_count` pseudo-nodes accepted at the bin's centre
+    score (an unseen cell trusts the score).
 
     Args:
-        num_bins (`int`, *optional*, defaults to 10): equal-width bins over `[0, 1]`.
-        prior_count (`float`, *optional*, defaults to 4.0): pseudo-observations per bin.
+        num_bins (`int`, *optional*, defaults to 10): equal-width score bins over `[0, 1]`.
+        prior_count (`float`, *optional*, defaults to 4.0): pseudo-observations per cell.
         decay (`float`, *optional*, defaults to 0.995): counts are multiplied by this at every update.
     """
+
+    DEPTH_BUCKETS = (1, 2, 4, 8)  # depth 1, 2, 3-4, 5-8, 9+
 
     def __init__(self, num_bins: int = 10, prior_count: float = 4.0, decay: float = 0.995):
         self.num_bins = num_bins
         self.decay = decay
         centres = [(i + 0.5) / num_bins for i in range(num_bins)]
-        self.drafted = [prior_count] * num_bins
-        self.accepted = [prior_count * c for c in centres]
+        cells = len(self.DEPTH_BUCKETS) + 1
+        self.drafted = [[prior_count] * num_bins for _ in range(cells)]
+        self.accepted = [[prior_count * c for c in centres] for _ in range(cells)]
 
-    def _bin(self, score: float) -> int:
-        return min(self.num_bins - 1, max(0, int(score * self.num_bins)))
+    def _cell(self, score: float, depth: int) -> tuple[int, int]:
+        bucket = sum(depth > limit for limit in self.DEPTH_BUCKETS)
+        return bucket, min(self.num_bins - 1, max(0, int(score * self.num_bins)))
 
-    def probability(self, score: float) -> float:
-        b = self._bin(score)
-        return self.accepted[b] / self.drafted[b]
+    def probability(self, score: float, depth: int = 1) -> float:
+        d, b = self._cell(score, depth)
+        return self.accepted[d][b] / self.drafted[d][b]
 
-    def observe(self, scores: list[float], accepted: list[bool]) -> None:
-        """Records one pass of one row: the drafted nodes' scores and whether each was accepted."""
-        self.drafted = [d * self.decay for d in self.drafted]
-        self.accepted = [a * self.decay for a in self.accepted]
-        for score, ok in zip(scores, accepted):
-            b = self._bin(score)
-            self.drafted[b] += 1.0
-            self.accepted[b] += float(ok)
+    def observe(self, scores: list[float], accepted: list[bool], depths: list[int] | None = None) -> None:
+        """Records one pass of one row: the drafted nodes' scores, depths, and whether each was accepted."""
+        self.drafted = [[x * self.decay for x in row] for row in self.drafted]
+        self.accepted = [[x * self.decay for x in row] for row in self.accepted]
+        for i, (score, ok) in enumerate(zip(scores, accepted)):
+            d, b = self._cell(score, 1 if depths is None else depths[i])
+            self.drafted[d][b] += 1.0
+            self.accepted[d][b] += float(ok)

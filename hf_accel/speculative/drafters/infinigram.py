@@ -170,6 +170,14 @@ def select_tree_nodes(parents: list[int], scores: list[float], max_nodes: int, t
     return sorted(chosen)  # node order keeps parents before children
 
 
+def node_depths(parents: list[int]) -> list[int]:
+    """Depth of each node (a child of the root has depth 1); parents come before children."""
+    depths = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
 def choose_tree_width(row_scores: list[list[float]], cost_model: PassCostModel, max_nodes: int) -> int:
     """Draft nodes per row `w` maximising expected tokens per unit of target time.
 
@@ -230,7 +238,7 @@ class InfinigramDrafter:
             context = request.context(b).cpu().numpy().astype(np.int64)
             depth = int(min(cfg.max_depth, int(request.max_depth[b])))
             drafts.append(self.draft_row(context, depth, cfg.max_nodes) if depth > 0 else ([], [], []))
-        probabilities = [self._calibrated(scores) for _, _, scores in drafts]
+        probabilities = [self._calibrated(scores, parents) for _, parents, scores in drafts]
         width = choose_tree_width(probabilities, self.cost_model, cfg.max_nodes)
         self._proposed = {}
         if width == 0 or self.cost_model.needs_anchor(batch_size):
@@ -241,8 +249,10 @@ class InfinigramDrafter:
             self._proposed[int(request.rows[b])] = (parents[:width], scores[:width])
         return DraftTree.from_parent_lists(trees, device=request.sequences.device)
 
-    def _calibrated(self, scores: list[float]) -> list[float]:
-        return [self.calibrator.probability(s) for s in scores] if self.calibrator is not None else scores
+    def _calibrated(self, scores: list[float], parents: list[int]) -> list[float]:
+        if self.calibrator is None:
+            return scores
+        return [self.calibrator.probability(s, d) for s, d in zip(scores, node_depths(parents))]
 
     def update(self, result) -> None:
         """Learns the pass cost (engine timing) and the acceptance rate by score (accepted nodes) of each pass."""
@@ -259,7 +269,7 @@ class InfinigramDrafter:
             while node >= 0:  # the accepted nodes are the best node's ancestors
                 on_path.add(node)
                 node = parents[node]
-            self.calibrator.observe(scores, [n in on_path for n in range(len(scores))])
+            self.calibrator.observe(scores, [n in on_path for n in range(len(scores))], node_depths(parents))
 
     def draft_row(self, context: np.ndarray, depth: int, max_nodes: int) -> tuple[list[int], list[int], list[float]]:
         """`(tokens, parents, scores)` of one row's candidate nodes, by decreasing score (drafter numbering)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost import interpolate_cost
-from .infinigram import choose_tree_width
+from .infinigram import choose_tree_width, node_depths
 
 
 @dataclass
@@ -72,11 +72,13 @@ def simulate_greedy(drafter, cases, max_depth: int = 16) -> SimulationResult:
             context = sequence[: len(prompt) + t]
             depth = min(max_depth, len(output) - t - 1)
             tokens, parents, scores = drafter.draft_row(context, depth, cfg.max_nodes) if depth > 0 else ([], [], [])
-            width = choose_tree_width([drafter._calibrated(scores)], drafter.cost_model, cfg.max_nodes)
+            width = choose_tree_width([drafter._calibrated(scores, parents)], drafter.cost_model, cfg.max_nodes)
             accepted = accepted_length(tokens[:width], parents[:width], list(output[t : t + depth]))
             if drafter.calibrator is not None and width:
                 on_path = accepted_nodes(tokens[:width], parents[:width], list(output[t : t + depth]))
-                drafter.calibrator.observe(scores[:width], [n in on_path for n in range(width)])
+                drafter.calibrator.observe(
+                    scores[:width], [n in on_path for n in range(width)], node_depths(parents[:width])
+                )
             result.passes += 1
             result.tokens += accepted + 1
             result.cost += interpolate_cost(width + 1, cfg.verify_cost)
