@@ -20,6 +20,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from .demo import add_cli as add_demo
     from .eval.cli import add_cli as add_eval
     from .hub import add_cli as add_hub
+    from .speculative.cli import add_cli as add_index
     from .training.cli import add_cli as add_train
 
     parser = argparse.ArgumentParser(prog="hf-accel", description=__doc__.splitlines()[0])
@@ -30,6 +31,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_hub(commands)  # `push`
     add_convert(commands)  # `convert care`
     add_palu(commands)  # `convert palu`, in the same `convert` group
+    add_index(commands)  # `index build`
     return parser
 
 

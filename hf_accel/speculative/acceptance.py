@@ -1,0 +1,117 @@
+"""Acceptance rules for a verified draft tree: greedy (exact match) and lossless sampling. Pure functions.
+
+Notation (verification numbering of [`~hf_accel.speculative.tree`]: node 0 is the root, the last committed token):
+`p_i` is the target's (processed) next-token distribution after the path ending at node `i`, `q_c` the draft
+distribution node `c`'s token was sampled from, and `x_c` node `c`'s token.
+
+- Greedy: node `c` is *valid* if `x_c == argmax p_parent(c)` and its parent is valid; the engine keeps the deepest
+  valid node (first one in node order on a tie) and appends the bonus token `argmax p_best`. The output is the
+  target's greedy decoding by construction.
+- Sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023; the multi-candidate form of SpecInfer, Miao et al.
+  2024): at node `u`, try its children in order; child `c` is accepted with probability `min(1, p(x_c) / q_c(x_c))`
+  where `p` starts as `p_u`; after a rejection, `p <- norm(max(0, p - q_c))` (the residual) and the next child is
+  tried. If every child is rejected, the bonus token is drawn from the current residual; at a leaf it is drawn from
+  `p_leaf`. This emits exactly one token from `p_u` at each step, so the output distribution is the target's, as long
+  as siblings are i.i.d. draws from `q_c`.
+- Point-mass rule (deterministic drafters, `q_c = onehot(x_c)`): accept with probability `p(x_c)`; the residual is `p`
+  with `x_c` zeroed and renormalised. Equivalent to "sample `y ~ p_u`, descend into the child whose token is `y`".
+"""
+
+import torch
+
+from .tree import children_lists
+
+
+def greedy_accept(
+    tree_ids: torch.LongTensor,
+    ancestors: torch.BoolTensor,
+    parent: torch.LongTensor,
+    target_ids: torch.LongTensor,
+    node_valid: torch.BoolTensor | None = None,
+) -> tuple[torch.LongTensor, torch.BoolTensor, torch.LongTensor]:
+    """Longest accepted path of a batch of trees under greedy (exact-match) verification.
+
+    Args:
+        tree_ids (`torch.LongTensor` of shape `(batch_size, num_nodes)`): node tokens, root first.
+        ancestors (`torch.BoolTensor` of shape `(batch_size, num_nodes, num_nodes)`): ancestor-or-self matrix.
+        parent (`torch.LongTensor` of shape `(batch_size, num_nodes)`): parents, `-1` at the root.
+        target_ids (`torch.LongTensor` of shape `(batch_size, num_nodes)`): the target's choice after each node.
+        node_valid (`torch.BoolTensor` of shape `(batch_size, num_nodes)`, *optional*): `False` for padding nodes.
+
+    Returns:
+        `tuple`: `best_node` `(B,)`, the deepest accepted node; `path_mask` `(B, N)`, the nodes on the root-to-best
+        path (root included, in node order = path order); `bonus` `(B,)`, the target's token after `best_node`.
+    """
+    parent_target = target_ids.gather(1, parent.clamp(min=0))  # [B, N]: the target's pick at each node's parent
+    match = tree_ids == parent_target
+    if node_valid is not None:
+        match &= node_valid
+    match[:, 0] = True  # the root is committed already
+    # A node is on an accepted path iff no node on its root path mismatches.
+    path_ok = ~(ancestors & ~match[:, None, :]).any(-1)  # [B, N]
+    depths = ancestors.sum(-1) - 1
+    score = torch.where(path_ok, depths, -1)
+    best_node = score.argmax(-1)  # first maximum: ties between equal siblings go to the earlier node
+    rows = torch.arange(tree_ids.shape[0], device=tree_ids.device)
+    return best_node, ancestors[rows, best_node], target_ids[rows, best_node]
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """`norm(max(0, p - q))` over the last axis (Leviathan et al. 2023, Eq. in Alg. 1).
+
+    If `p <= q` everywhere (only possible through rounding, since a rejection then has probability 0), `p` is
+    returned unchanged, which keeps the sampler well defined.
+    """
+    residual = (p - q).clamp(min=0)
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p)
+
+
+def sample_accept_tree(
+    tree_ids: list[int],
+    parent: list[int],
+    target_probs: torch.FloatTensor,
+    draft_probs: torch.FloatTensor | None = None,
+    node_valid: list[bool] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Lossless speculative sampling along one draft tree (one batch row).
+
+    Args:
+        tree_ids (`list[int]`): node tokens, root first (verification numbering).
+        parent (`list[int]`): parents, `-1` at the root.
+        target_probs (`torch.FloatTensor` of shape `(num_nodes, vocab_size)`): `p_i`, the processed target
+            distribution after each node.
+        draft_probs (`torch.FloatTensor` of shape `(num_nodes, vocab_size)`, *optional*): `q_c`, the distribution
+            each node's token was sampled from (row 0 unused). `None` applies the point-mass rule.
+        node_valid (`list[bool]`, *optional*): `False` for padding nodes, which are never tried.
+        generator (`torch.Generator`, *optional*): random source; the global one by default, so `torch.manual_seed`
+            makes runs reproducible as with plain `generate`.
+
+    Returns:
+        `tuple`: the accepted path (node indices, root first) and the bonus token drawn at its end.
+    """
+    children = children_lists(parent)
+    node, path = 0, [0]
+    while True:
+        p = target_probs[node]
+        accepted = None
+        for child in children[node]:
+            if node_valid is not None and not node_valid[child]:
+                continue
+            token = tree_ids[child]
+            if draft_probs is None:
+                q = torch.zeros_like(p)
+                q[token] = 1.0
+            else:
+                q = draft_probs[child]
+            ratio = (p[token] / q[token].clamp(min=torch.finfo(p.dtype).tiny)).clamp(max=1.0)
+            if torch.rand((), generator=generator, device=p.device) < ratio:
+                accepted = child
+                break
+            p = residual_distribution(p, q)
+        if accepted is None:
+            bonus = torch.multinomial(p, 1, generator=generator).item()
+            return path, bonus
+        node = accepted
+        path.append(node)

@@ -1,0 +1,86 @@
+"""KV-cache surgery for speculative decoding: keep the accepted tree nodes, drop finished rows.
+
+Contract with cache classes (documented again in [`~hf_accel.speculative.engine`]):
+
+- A cache is any object with a `layers` list (transformers' `Cache`). Each layer stores the sequence on axis `-2`
+  of its `keys` and `values` tensors (`[batch, heads, seq, dim]`; an MLA / CARE latent is a one-head entry with its
+  own width, so the same code applies).
+- If a layer has `select_positions(index)`, the engine calls it instead of touching `keys` / `values`: `index` is a
+  `LongTensor` `[batch, kept]` of absolute sequence positions to keep, in order. A quantized latent cache implements
+  it to gather its packed storage (and its scales) itself.
+- If a layer has `batch_select_indices(indices)` (transformers' `DynamicLayer` has), the engine calls it to drop
+  finished rows; otherwise the tensors are indexed on axis 0.
+- Layers that keep only a window (`is_sliding`) are refused: gathering would have to know the window's origin.
+"""
+
+import torch
+
+
+def validate_cache_for_speculation(cache) -> None:
+    """Raises `ValueError` if the engine cannot crop / gather this cache."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"speculative decoding needs a cache with per-layer storage (`cache.layers`), got {type(cache).__name__};"
+            " use transformers' DynamicCache or a Cache subclass whose layers implement `select_positions`"
+        )
+    for i, layer in enumerate(layers):
+        if getattr(layer, "is_sliding", False) and not hasattr(layer, "select_positions"):
+            raise ValueError(
+                f"cache layer {i} is a sliding-window layer; speculative decoding cannot gather it. Use a model "
+                "without sliding-window attention, or a layer class implementing `select_positions`."
+            )
+
+
+def _gather_seq(tensor: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
+    """`tensor[b, ..., index[b, k], :]` for a `[B, ..., S, D]` tensor and a `[B, K]` index -> `[B, ..., K, D]`."""
+    shape = list(tensor.shape)
+    expand_index = index.view(index.shape[0], *([1] * (tensor.dim() - 3)), index.shape[1], 1)
+    shape[-2] = index.shape[1]
+    return tensor.gather(-2, expand_index.expand(shape))
+
+
+def select_cache_positions(cache, prefix_length: int, tail_index: torch.LongTensor) -> None:
+    """Keeps the first `prefix_length` positions of every row plus, per row, the tail positions `tail_index`.
+
+    Args:
+        cache (`Cache`): the cache after the verification pass (`prefix_length + num_nodes` positions per layer).
+        prefix_length (`int`): positions cached before the verification pass, all kept.
+        tail_index (`torch.LongTensor` of shape `(batch_size, kept)`): per row, indices *relative to
+            `prefix_length`* of the tree nodes to keep, in path order. Rows that accepted fewer nodes repeat an
+            index; the engine masks those slots out, so their content does not matter.
+    """
+    absolute = None
+    for layer in cache.layers:
+        if hasattr(layer, "select_positions"):
+            if absolute is None:
+                batch_size = tail_index.shape[0]
+                prefix = torch.arange(prefix_length, device=tail_index.device).expand(batch_size, prefix_length)
+                absolute = torch.cat([prefix, tail_index + prefix_length], dim=1)
+            layer.select_positions(absolute)
+            continue
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        index = tail_index.to(layer.keys.device)
+        # [B, H, S, D] -> crop to the prefix, then append the gathered accepted nodes.
+        layer.keys = torch.cat(
+            [layer.keys[..., :prefix_length, :], _gather_seq(layer.keys[..., prefix_length:, :], index)], -2
+        )
+        layer.values = torch.cat(
+            [layer.values[..., :prefix_length, :], _gather_seq(layer.values[..., prefix_length:, :], index)], -2
+        )
+
+
+def select_cache_rows(cache, rows: torch.LongTensor) -> None:
+    """Keeps only the batch rows `rows` (in that order) of every layer."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(rows.to(layer.keys.device) if layer.keys is not None else rows)
+        elif layer.keys is not None:
+            layer.keys = layer.keys[rows]
+            layer.values = layer.values[rows]
+
+
+def cache_length(cache) -> int:
+    """Number of positions (including masked holes) held by the cache."""
+    return cache.get_seq_length()

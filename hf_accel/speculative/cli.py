@@ -1,0 +1,86 @@
+"""`hf-accel index build`: an Infinigram index from text files, a dataset, or the model's own answers."""
+
+import time
+
+
+def add_cli(commands) -> None:
+    """Adds the `index` command (subcommand `build`) to the top-level `hf-accel` subparsers."""
+    index = commands.add_parser("index", help="Infinigram (suffix-array) indexes for the `ngram` drafter")
+    sub = index.add_subparsers(dest="index_command", required=True, metavar="SUBCOMMAND")
+    build = sub.add_parser("build", help="build an index (tokens of the model's tokenizer)")
+    build.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
+    build.add_argument("--out", required=True, help="index directory to write")
+    build.add_argument("--text", nargs="+", default=[], help="plain text files (one document each)")
+    build.add_argument("--dataset", help="a `datasets` dataset (save_to_disk directory, data files, or Hub id)")
+    build.add_argument("--split", default="train")
+    build.add_argument("--text-column", default="text")
+    build.add_argument(
+        "--self-distill", nargs="+", default=[], metavar="PROMPTS",
+        help="prompt files (Spec-Bench JSONL, `humaneval`, or a built-in set) the model answers; its answers are indexed",
+    )  # fmt: skip
+    build.add_argument("--limit", type=int, default=None, help="self-distill: at most N prompts per source")
+    build.add_argument("--offset", type=int, default=0, help="self-distill: skip the first N prompts of each source")
+    build.add_argument("--max-new-tokens", type=int, default=256, help="self-distill: answer length cap")
+    build.add_argument("--batch-size", type=int, default=8, help="self-distill: prompts per generate call")
+    build.add_argument("--trust-remote-code", action="store_true")
+    build.add_argument("--json", action="store_true", help="print one JSON object")
+    build.set_defaults(func=_run_build)
+
+
+def _run_build(args) -> int:
+    from ..cli import print_json
+    from ..loading import load_model_and_tokenizer
+    from .drafters.build import (
+        build_index_from_documents,
+        iter_dataset_documents,
+        iter_text_file_documents,
+        self_distill,
+    )
+
+    if not (args.text or args.dataset or args.self_distill):
+        raise ValueError("nothing to index: pass --text FILE..., --dataset NAME, or --self-distill PROMPTS...")
+    need_model = bool(args.self_distill)
+    model, tokenizer = _load(args, need_model, load_model_and_tokenizer)
+    documents, sources = [], []
+    start = time.perf_counter()
+    if args.text:
+        documents += list(iter_text_file_documents(args.text, tokenizer))
+        sources += [f"text:{p}" for p in args.text]
+    if args.dataset:
+        documents += list(iter_dataset_documents(args.dataset, tokenizer, args.split, args.text_column))
+        sources.append(f"dataset:{args.dataset}:{args.split}:{args.text_column}")
+    generation_s = 0.0
+    for source in args.self_distill:
+        from ..eval.prompts import load_prompts
+
+        prompts = load_prompts(source, tokenizer, limit=args.limit, offset=args.offset)
+        tic = time.perf_counter()
+        documents += self_distill(
+            model, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size, args.model
+        )
+        generation_s += time.perf_counter() - tic
+        sources.append(f"self-distill:{source}:offset={args.offset}:limit={args.limit}:max_new={args.max_new_tokens}")
+    prepare_s = time.perf_counter() - start
+    header, build_s = build_index_from_documents(documents, tokenizer, args.out, sources, args.model)
+    result = {
+        "out": str(args.out), "model": args.model, "tokens": header.num_tokens, "documents": header.num_documents,
+        "sources": sources, "prepare_s": round(prepare_s, 3), "self_distill_s": round(generation_s, 3),
+        "build_s": round(build_s, 3), "build_tokens_per_s": round(header.num_tokens / max(build_s, 1e-9)),
+    }  # fmt: skip
+    if args.json:
+        print_json(result)
+    else:
+        print(f"index {args.out}: {header.num_tokens:,} tokens in {header.num_documents:,} documents")
+        print(f"  suffix array built in {build_s:.2f} s ({result['build_tokens_per_s']:,} tokens/s)")
+        print(f"  inputs prepared in {prepare_s:.1f} s (self-distillation {generation_s:.1f} s)")
+    return 0
+
+
+def _load(args, need_model, load_model_and_tokenizer):
+    if need_model:
+        return load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    from transformers import AutoTokenizer
+
+    from ..loading import resolve_model
+
+    return None, AutoTokenizer.from_pretrained(resolve_model(args.model), trust_remote_code=args.trust_remote_code)

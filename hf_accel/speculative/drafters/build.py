@@ -1,0 +1,140 @@
+"""Building Infinigram indexes: from text files, a `datasets` dataset, or the target's own answers (self-distillation).
+
+Self-distillation (spec B.2, "Target-5M": the setting with the best acceptance) asks the target to answer prompts
+greedily and indexes its responses. Ambiguities (B.11 item 3) resolved here: greedy decoding, responses only (the
+prompt and chat template are not indexed: the prompt is in the context at drafting time anyway), prompts rendered as
+the benchmark renders them (`hf_accel.eval.prompts`), generation stops at EOS or `max_new_tokens` (default 256).
+
+Generation is batched (prompts sorted by length to limit padding), cached and resumable: every finished answer is
+appended to `<out>/self_distill.jsonl` keyed by prompt text, model and length cap, and a rerun skips them.
+"""
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .index import IndexHeader, build_index, tokenizer_fingerprint
+
+
+SELF_DISTILL_CACHE = "self_distill.jsonl"
+
+
+def iter_text_file_documents(
+    paths: Iterable[str | Path], tokenizer, chunk_chars: int = 1 << 20
+) -> Iterator[list[int]]:
+    """Token ids of each text file (one document per file, tokenized in chunks of `chunk_chars` characters)."""
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"text file not found: {path}")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        ids = []
+        for start in range(0, len(text), chunk_chars):
+            ids += tokenizer(text[start : start + chunk_chars], add_special_tokens=False)["input_ids"]
+        yield ids
+
+
+def iter_dataset_documents(
+    name: str, tokenizer, split: str = "train", text_column: str = "text"
+) -> Iterator[list[int]]:
+    """Token ids of each record's `text_column` of a `datasets` dataset (save_to_disk directory or Hub id/files)."""
+    import datasets
+
+    if Path(name).is_dir() and (Path(name) / "dataset_info.json").exists() or (Path(name) / "state.json").exists():
+        data = datasets.load_from_disk(name)
+        data = data[split] if isinstance(data, datasets.DatasetDict) else data
+    else:
+        data = datasets.load_dataset(name, split=split)
+    if text_column not in data.column_names:
+        raise ValueError(f"dataset {name} has no column {text_column!r}; pick one of {data.column_names}")
+    for text in data[text_column]:
+        if text:
+            yield tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _cache_key(model_name: str, text: str, max_new_tokens: int) -> str:
+    return hashlib.sha256(f"{model_name}\0{max_new_tokens}\0{text}".encode()).hexdigest()[:24]
+
+
+def self_distill(
+    model,
+    tokenizer,
+    prompts,
+    out_dir: str | Path,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    model_name: str = "",
+    use_speculation: bool = True,
+) -> list[list[int]]:
+    """Greedy answers of `model` to `prompts` (cached in `out_dir/self_distill.jsonl`); returns response token ids.
+
+    Args:
+        model (`PreTrainedModel`), tokenizer: the target and its tokenizer.
+        prompts (`list[BenchPrompt]`): rendered prompts (`hf_accel.eval.prompts.load_prompts`).
+        out_dir (`str` or `Path`): where the cache file lives.
+        max_new_tokens (`int`, *optional*, defaults to 256): answer length cap.
+        batch_size (`int`, *optional*, defaults to 8): prompts per `generate` call.
+        model_name (`str`, *optional*): part of the cache key.
+        use_speculation (`bool`, *optional*, defaults to `True`): generate through hf-accel's engine with the
+            context-only n-gram drafter (same greedy output, fewer target passes).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cache_file = out / SELF_DISTILL_CACHE
+    done = {}
+    if cache_file.exists():
+        for line in cache_file.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                done[record["key"]] = record["tokens"]
+    keys = [_cache_key(model_name, p.text, max_new_tokens) for p in prompts]
+    todo = sorted({k: p for k, p in zip(keys, prompts) if k not in done}.items(), key=lambda kp: len(kp[1].text))
+    extra = {}
+    if use_speculation:
+        from ..generate import custom_generate
+        from .infinigram import InfinigramDrafter
+
+        extra = {"custom_generate": custom_generate, "drafter": InfinigramDrafter(None)}
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    with open(cache_file, "a") as cache, tqdm(total=len(todo), desc="self-distill", unit="prompt") as bar:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            inputs = tokenizer([p.text for _, p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.no_grad():
+                generated = model.generate(
+                    **inputs, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None,
+                    top_p=None, pad_token_id=tokenizer.pad_token_id, **extra,
+                )[:, inputs["input_ids"].shape[1] :]  # fmt: skip
+            for (key, prompt), row in zip(batch, generated.tolist()):
+                tokens = _strip_after_eos(row, eos)
+                done[key] = tokens
+                cache.write(json.dumps({"key": key, "question_id": prompt.question_id, "tokens": tokens}) + "\n")
+            cache.flush()
+            bar.update(len(batch))
+    return [done[k] for k in keys]
+
+
+def _strip_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """Response tokens before the first EOS (EOS itself is not indexed; the document separator ends it)."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:i]
+    return tokens
+
+
+def build_index_from_documents(
+    documents, tokenizer, out_dir: str | Path, sources: list, tokenizer_name: str | None = None
+) -> tuple[IndexHeader, float]:
+    """Builds the index and returns `(header, seconds spent building)` (tokenization of inputs excluded)."""
+    documents = list(documents)
+    name, vocab_hash, vocab_size = tokenizer_fingerprint(tokenizer)
+    name = tokenizer_name or name
+    start = time.perf_counter()
+    header = build_index(documents, out_dir, name, vocab_hash, vocab_size, sources=sources)
+    return header, time.perf_counter() - start

@@ -1,0 +1,235 @@
+"""The on-disk Infinigram index: a suffix array over 32-bit token ids, memory-mapped for queries.
+
+Layout of an index directory (format version 1):
+
+- `header.json`: `{"format_version", "tokenizer_name", "vocab_hash", "vocab_size", "num_tokens", "num_documents",
+  "sa_dtype", "sources"}`;
+- `tokens.u32`: the token stream, little-endian `uint32`, documents separated by `SEPARATOR` (`0xFFFFFFFF`, never
+  a token id, so vocabularies beyond 65,535 work);
+- `sa.bin`: the suffix array of the **reversed** stream (`int32` below 2^31 tokens, `int64` above), built with
+  libdivsufsort (pydivsufsort) on the big-endian bytes of the ids;
+- `first.npy`: `int64[vocab_size + 1]`, start of each first token's range in the suffix array.
+
+Why reversed: drafting needs the longest *suffix* of the context that occurs in the corpus. In the suffix array of
+the reversed stream that suffix is a *prefix* of the reversed context, so the match grows one token at a time by
+narrowing the current range (one `searchsorted` per token) instead of a binary search over match lengths, each
+probe a full string comparison. An occurrence at reversed position `r` ends at stream index `N - 1 - r`, and its
+continuation is `tokens[N - r : N - r + depth]`.
+"""
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+INDEX_FORMAT_VERSION = 1
+SEPARATOR = np.uint32(0xFFFFFFFF)
+# Ranges narrower than this are narrowed with one vectorised read; wider ones with a scalar binary search.
+_DENSE_RANGE = 2048
+# Ranges this small are finished with one read of every candidate's whole common prefix.
+_FEW = 32
+
+
+@dataclass
+class IndexHeader:
+    tokenizer_name: str
+    vocab_hash: str
+    vocab_size: int
+    num_tokens: int = 0
+    num_documents: int = 0
+    sa_dtype: str = "int32"
+    sources: list = field(default_factory=list)
+    format_version: int = INDEX_FORMAT_VERSION
+
+
+def tokenizer_fingerprint(tokenizer) -> tuple[str, str, int]:
+    """`(name, vocab_hash, vocab_size)` of a tokenizer; the hash covers every `(token, id)` pair."""
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256()
+    for token, index in sorted(vocab.items(), key=lambda item: item[1]):
+        digest.update(f"{index}\t{token}\n".encode("utf-8", "surrogatepass"))
+    return str(getattr(tokenizer, "name_or_path", "") or ""), digest.hexdigest()[:16], max(vocab.values()) + 1
+
+
+def build_index(
+    documents: Iterable[Sequence[int]],
+    out_dir: str | Path,
+    tokenizer_name: str,
+    vocab_hash: str,
+    vocab_size: int,
+    sources: list | None = None,
+) -> IndexHeader:
+    """Writes an index over token-id documents.
+
+    Args:
+        documents (`Iterable[Sequence[int]]`): token ids per document (responses, files, ...).
+        out_dir (`str` or `Path`): directory to create (files are replaced).
+        tokenizer_name (`str`), vocab_hash (`str`), vocab_size (`int`): from [`tokenizer_fingerprint`].
+        sources (`list`, *optional*): free-form provenance written to the header.
+
+    Returns:
+        [`IndexHeader`]
+    """
+    from pydivsufsort import divsufsort  # avoid importing the C library unless an index is built
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    chunks, num_documents = [], 0
+    for doc in documents:
+        array = np.asarray(doc, dtype=np.int64)
+        if len(array) == 0:
+            continue
+        if array.min() < 0 or array.max() >= vocab_size:
+            raise ValueError(f"document {num_documents} has token ids outside [0, {vocab_size})")
+        chunks.append(array.astype(np.uint32))
+        chunks.append(np.array([SEPARATOR], dtype=np.uint32))
+        num_documents += 1
+    if not chunks:
+        raise ValueError("no tokens to index: every document was empty")
+    tokens = np.concatenate(chunks)
+    del chunks
+    tokens.astype("<u4").tofile(out / "tokens.u32")
+    suffix_array = divsufsort(np.ascontiguousarray(tokens[::-1]))
+    sa_dtype = "int32" if len(tokens) < 2**31 else "int64"
+    suffix_array.astype(sa_dtype).tofile(out / "sa.bin")
+    del suffix_array
+    counts = np.bincount(tokens[tokens != SEPARATOR].astype(np.int64), minlength=vocab_size)
+    np.save(out / "first.npy", np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+    header = IndexHeader(
+        tokenizer_name, vocab_hash, int(vocab_size), len(tokens), num_documents, sa_dtype, sources or []
+    )
+    (out / "header.json").write_text(json.dumps(asdict(header), indent=1))
+    return header
+
+
+class InfinigramIndex:
+    """Read-only, memory-mapped view of an index directory.
+
+    Args:
+        path (`str` or `Path`): the index directory.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        header_file = self.path / "header.json"
+        if not header_file.is_file():
+            raise FileNotFoundError(f"not an Infinigram index (no header.json): {self.path}")
+        raw = json.loads(header_file.read_text())
+        if raw.get("format_version") != INDEX_FORMAT_VERSION:
+            raise ValueError(
+                f"index {self.path} has format version {raw.get('format_version')}, this hf-accel reads version "
+                f"{INDEX_FORMAT_VERSION}; rebuild it with `hf-accel index build`"
+            )
+        self.header = IndexHeader(**raw)
+        self.tokens = np.memmap(self.path / "tokens.u32", dtype="<u4", mode="r")
+        self.suffix_array = np.memmap(self.path / "sa.bin", dtype=self.header.sa_dtype, mode="r")
+        self.first = np.load(self.path / "first.npy")
+        self.num_tokens = len(self.tokens)
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """Raises `ValueError` if the index was built with a different tokenizer than `tokenizer`."""
+        name, vocab_hash, vocab_size = tokenizer_fingerprint(tokenizer)
+        if vocab_hash != self.header.vocab_hash:
+            raise ValueError(
+                f"index {self.path} was built with tokenizer {self.header.tokenizer_name!r} (vocabulary hash "
+                f"{self.header.vocab_hash}, {self.header.vocab_size} ids) but the model's tokenizer {name!r} has "
+                f"vocabulary hash {vocab_hash} ({vocab_size} ids); token ids would not mean the same thing. Rebuild "
+                "the index with this model: `hf-accel index build --model <model> --out DIR ...`"
+            )
+
+    # --------------------------------------------------------------------------------------------------- queries
+    def _reversed_token(self, sa_positions: np.ndarray, offset: int) -> np.ndarray:
+        """Token at `offset` of each reversed suffix (-1 past the start of the stream, which sorts first)."""
+        index = self.num_tokens - 1 - sa_positions.astype(np.int64) - offset
+        values = self.tokens[np.clip(index, 0, None)].astype(np.int64)
+        return np.where(index >= 0, values, -1)
+
+    def _narrow(self, lo: int, hi: int, offset: int, token: int) -> tuple[int, int]:
+        """Sub-range of a small `[lo, hi)` whose reversed suffixes have `token` at `offset` (one vectorised read)."""
+        values = self._reversed_token(np.asarray(self.suffix_array[lo:hi]), offset)
+        return lo + int(np.searchsorted(values, token, "left")), lo + int(np.searchsorted(values, token, "right"))
+
+    def _compare(self, sa_index: int, pattern: np.ndarray) -> tuple[int, int]:
+        """`(lcp, order)` of the reversed suffix at `sa_index` against `pattern`: their longest common prefix and
+        -1 / 0 / +1 if the suffix sorts before / starts with / sorts after the pattern."""
+        start = self.num_tokens - int(self.suffix_array[sa_index])  # reversed suffix = tokens[:start][::-1]
+        window = np.asarray(self.tokens[max(0, start - len(pattern)) : start][::-1]).astype(np.int64)
+        differ = np.nonzero(window != pattern[: len(window)])[0]
+        if len(differ):
+            lcp = int(differ[0])
+            return lcp, -1 if window[lcp] < pattern[lcp] else 1
+        return len(window), 0 if len(window) == len(pattern) else -1  # a shorter suffix sorts first
+
+    def _bound(self, lo: int, hi: int, pattern: np.ndarray, upper: bool) -> int:
+        """First index in `[lo, hi)` whose suffix sorts after (`upper`) / not before the pattern as a prefix."""
+        while lo < hi:
+            mid = (lo + hi) // 2
+            _, order = self._compare(mid, pattern)
+            if order < 0 or (upper and order == 0):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def longest_suffix(self, context: Sequence[int], max_match: int = 64) -> tuple[int, int, int]:
+        """Longest suffix of `context` occurring in the index: `(match_length, lo, hi)`, its suffix-array range.
+
+        `match_length == 0` means not even the last token occurs (`lo == hi == 0`). Small ranges are narrowed one
+        token at a time; in a wide range the reversed context is binary-searched whole, and the longest match is
+        the longer common prefix with the suffixes on either side of its insertion point.
+        """
+        pattern = np.asarray(context, dtype=np.int64)[::-1][:max_match]
+        if len(pattern) == 0 or not 0 <= pattern[0] < len(self.first) - 1:
+            return 0, 0, 0
+        lo, hi = int(self.first[pattern[0]]), int(self.first[pattern[0] + 1])
+        if lo == hi:
+            return 0, 0, 0
+        length = 1
+        if hi - lo > _DENSE_RANGE and len(pattern) > 1:
+            insert = self._bound(lo, hi, pattern, upper=False)
+            length = max(self._compare(i, pattern)[0] for i in (insert - 1, insert) if lo <= i < hi)
+            prefix = pattern[:length]
+            lo, hi = self._bound(lo, insert, prefix, upper=False), self._bound(insert, hi, prefix, upper=True)
+        while length < len(pattern) and _FEW < hi - lo <= _DENSE_RANGE:
+            new_lo, new_hi = self._narrow(lo, hi, length, int(pattern[length]))
+            if new_lo >= new_hi:
+                return length, lo, hi
+            lo, hi, length = new_lo, new_hi, length + 1
+        if length < len(pattern) and hi - lo <= _FEW:
+            return self._finish_few(lo, hi, pattern)
+        return length, lo, hi
+
+    def _finish_few(self, lo: int, hi: int, pattern: np.ndarray) -> tuple[int, int, int]:
+        """Longest match among a few candidates at once: full common prefixes, one vectorised read.
+
+        Candidates are sorted, so those sharing the longest common prefix form a contiguous block.
+        """
+        starts = self.num_tokens - np.asarray(self.suffix_array[lo:hi]).astype(np.int64)
+        index = starts[:, None] - 1 - np.arange(len(pattern))[None, :]  # reversed suffix, token by token
+        windows = np.where(index >= 0, self.tokens[np.clip(index, 0, None)].astype(np.int64), -1)
+        mismatch = windows != pattern[None, :]
+        lcp = np.where(mismatch.any(1), mismatch.argmax(1), len(pattern))
+        best = int(lcp.max())
+        block = np.nonzero(lcp == best)[0]
+        return best, lo + int(block[0]), lo + int(block[-1]) + 1
+
+    def continuations(self, lo: int, hi: int, match_length: int, depth: int, max_support: int = 1000) -> np.ndarray:
+        """Continuations of the occurrences in `[lo, hi)`: `int64[count, depth]`, `-1` after a document end.
+
+        More than `max_support` occurrences are subsampled with a uniform deterministic stride (B.11 item 9: the
+        public engine strides too; the thesis says "uniformly").
+        """
+        count = hi - lo
+        stride = max(1, -(-count // max_support))
+        positions = np.asarray(self.suffix_array[lo:hi:stride][:max_support]).astype(np.int64)
+        starts = self.num_tokens - positions  # first continuation token (stream index)
+        index = starts[:, None] + np.arange(depth)[None, :]
+        values = self.tokens[np.clip(index, 0, self.num_tokens - 1)].astype(np.int64)
+        values[index >= self.num_tokens] = -1
+        ended = np.cumsum(values == SEPARATOR, axis=1) > 0  # a separator ends the document
+        values[ended] = -1
+        return values

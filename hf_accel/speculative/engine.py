@@ -1,0 +1,467 @@
+"""The verification engine: one target pass over a draft tree, acceptance, cache rollback, and the decoding loop.
+
+Every hf-accel drafter runs through this file; a drafter only proposes.
+
+## Drafter protocol
+
+A drafter is any object with a `propose(request: DraftRequest) -> DraftTree | None` method. Optional methods and
+*capability attributes* say what else it needs; the engine reads them with `getattr`, never with class checks:
+
+- `begin(input_ids, attention_mask, generation_config)`: called once per `generate` call, before the prefill
+  (reset per-call state; `input_ids` are the left-padded prompts).
+- `propose(request)`: returns a [`~hf_accel.speculative.tree.DraftTree`] for the rows in `request.rows` (a chain is
+  a tree), or `None` for "no draft this step" (the step is then a plain decoding step).
+- `update(result: VerifyResult)`: called after the prefill (`result.is_prefill`) and after every verification
+  pass, with the tokens committed per row, the accepted nodes, and what the capability attributes asked for.
+- `requires_hidden_states` (`tuple[int, ...]`, default `()`): indices into the model's `hidden_states` output
+  (e.g. `(-1,)` for the last layer, `(0, L // 2, -2, -1)` for SpecFormer); the engine runs the target with
+  `output_hidden_states=True` and hands back those layers at the committed positions (all prompt positions at the
+  prefill; root + accepted nodes after a verification pass). CP heads read `[:, path_length - 1]` of layer `-1`.
+- `provides_draft_probs` (`bool`, default `False`): documentation of intent; the engine uses
+  `DraftTree.draft_probs` whenever it is set (lossless rejection sampling) and the point-mass rule otherwise.
+- Auxiliary inputs (PPD): a `DraftTree` may carry `aux_embeds` / `aux_parent`; they get their own tree mask rows
+  and positions, their KV entries are always dropped, and `VerifyResult.aux_logits` holds their logits.
+
+## Cache contract
+
+See [`~hf_accel.speculative.cache`]: the engine keeps accepted nodes with `select_cache_positions` (per-layer
+`select_positions(index)` if the layer has it, else a gather on axis `-2` of `keys` / `values`) and drops finished
+rows with `batch_select_indices`. Any cache class (MLA latents in one-head entries, quantized latents) that offers
+these works without engine changes.
+
+## Batching
+
+Rows accept different numbers of tokens. The cache stays rectangular: each pass appends `max_b(path_length_b)`
+slots to every row and a per-row validity mask (`past_mask`) hides the unused ones ("holes"), exactly like left
+padding. Position ids count only real tokens, so each row sees the same positions as in an unpadded run. Finished
+rows are removed from the batch (cache rows dropped) instead of being carried along as padding.
+
+## Ambiguities resolved here (issue 6)
+
+- Finished rows are right-padded with `pad_token_id` (falling back to the first EOS id, then 0), like `generate`
+  with an EOS criterion; `generate` without one keeps sampling for rows stopped by a stop string, we do not.
+- Logits processors that read the context (repetition penalty, min-length, ...) are applied per node with that
+  node's own path as context, in a batch of the original size (exact, slow: one call per node); processors known to
+  ignore the context (temperature, top-k/p, ...) are applied once to all nodes.
+- Greedy mode is "argmax of the processed logits", as in `generate`; a node is accepted iff its token equals it.
+"""
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from .acceptance import greedy_accept, sample_accept_tree
+from .cache import select_cache_positions, select_cache_rows, validate_cache_for_speculation
+from .tree import (
+    DraftTree,
+    build_tree_attention_mask,
+    compute_ancestor_matrix,
+    compute_depths,
+    to_verification_parents,
+    tree_position_ids,
+    validate_parents,
+)
+
+
+# Processors whose output depends on the scores only, never on `input_ids`: one batched call serves every node.
+_CONTEXT_FREE_PROCESSORS = (
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+    EpsilonLogitsWarper, EtaLogitsWarper, SuppressTokensLogitsProcessor, InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+)  # fmt: skip
+
+
+@dataclass
+class SpeculativeStats:
+    """Per-call statistics of a speculative `generate` call (also attached to the output as `.speculative_stats`).
+
+    `accepted_histogram[k]` counts (row, verification pass) pairs that committed `k` tokens, *bonus included*;
+    `mean_accepted` is its mean (the tokens per target pass of one row). `target_forward_passes` includes the prefill.
+    """
+
+    target_forward_passes: int = 0
+    accepted_histogram: Counter = field(default_factory=Counter)
+    drafter_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+    new_tokens: int = 0
+    draft_nodes: int = 0
+
+    @property
+    def mean_accepted(self) -> float:
+        passes = sum(self.accepted_histogram.values())
+        return sum(k * v for k, v in self.accepted_histogram.items()) / passes if passes else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "target_forward_passes": self.target_forward_passes,
+            "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_histogram.items())},
+            "mean_accepted": self.mean_accepted,
+            "drafter_time_s": self.drafter_time_s,
+            "verify_time_s": self.verify_time_s,
+            "total_time_s": self.total_time_s,
+            "new_tokens": self.new_tokens,
+            "draft_nodes": self.draft_nodes,
+        }
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter sees when asked for a proposal.
+
+    Args:
+        sequences (`torch.LongTensor` of shape `(num_active, max_length)`): committed tokens of the active rows
+            (left-padded prompt, then generated tokens; columns at and after `lengths` are padding).
+        lengths (`torch.LongTensor` of shape `(num_active,)`): used columns; the root is `sequences[b, lengths[b]-1]`.
+        prompt_length (`int`): the (padded) prompt width; generated tokens start at this column.
+        attention_mask (`torch.LongTensor` of shape `(num_active, prompt_length)`): the prompt's padding mask.
+        rows (`torch.LongTensor` of shape `(num_active,)`): original batch index of each active row.
+        max_depth (`torch.LongTensor` of shape `(num_active,)`): deepest draft node that can still be committed.
+        do_sample (`bool`): whether the call samples.
+    """
+
+    sequences: torch.LongTensor
+    lengths: torch.LongTensor
+    prompt_length: int
+    attention_mask: torch.LongTensor
+    rows: torch.LongTensor
+    max_depth: torch.LongTensor
+    do_sample: bool
+
+    def context(self, b: int) -> torch.LongTensor:
+        """The real (unpadded) committed tokens of active row `b`."""
+        start = int((self.attention_mask[b] == 0).sum())
+        return self.sequences[b, start : int(self.lengths[b])]
+
+
+@dataclass
+class VerifyResult:
+    """What the engine hands back to the drafter after the prefill and after each verification pass.
+
+    Args:
+        rows (`torch.LongTensor` of shape `(num_active,)`): original batch index of each row of this pass.
+        new_tokens (`list[list[int]]`): tokens committed per row (accepted drafts, then the bonus token), cut at a
+            stop condition.
+        best_node (`torch.LongTensor` of shape `(num_active,)`): deepest accepted draft node (drafter numbering,
+            `-1` if none was accepted).
+        path_length (`torch.LongTensor` of shape `(num_active,)`): committed positions this pass (root + accepted
+            nodes; the prompt length at the prefill).
+        finished (`torch.BoolTensor` of shape `(num_active,)`): rows that stopped in this pass.
+        hidden_states (`dict[int, torch.FloatTensor]`): requested layers at the committed positions,
+            `(num_active, max(path_length), hidden_size)` each, in path order and padded on the right; at the
+            prefill, `(num_active, prompt_length, hidden_size)` in the (left-padded) prompt layout.
+        aux_logits (`torch.FloatTensor` of shape `(num_active, num_aux, vocab_size)`, *optional*): raw logits at the
+            auxiliary nodes.
+        is_prefill (`bool`): whether this result comes from the prefill.
+        num_input_tokens (`int`): tokens fed to the target in this pass (`num_active * (1 + nodes + aux)`).
+        forward_seconds (`float`): wall time of the target's forward pass (for cost models, see `cost.py`).
+    """
+
+    rows: torch.LongTensor
+    new_tokens: list
+    best_node: torch.LongTensor
+    path_length: torch.LongTensor
+    finished: torch.BoolTensor
+    hidden_states: dict = field(default_factory=dict)
+    aux_logits: torch.FloatTensor | None = None
+    is_prefill: bool = False
+    num_input_tokens: int = 0
+    forward_seconds: float = 0.0
+
+
+class _DecodeState:
+    """Mutable per-call bookkeeping: committed tokens, active rows, cache validity and positions."""
+
+    def __init__(self, input_ids, attention_mask, max_length, pad_token_id):
+        batch_size, self.prompt_length = input_ids.shape
+        device = input_ids.device
+        self.sequences = torch.full((batch_size, max_length), pad_token_id, dtype=torch.long, device=device)
+        self.sequences[:, : self.prompt_length] = input_ids
+        self.lengths = torch.full((batch_size,), self.prompt_length, dtype=torch.long, device=device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self.prompt_mask = attention_mask
+        self.rows = torch.arange(batch_size, device=device)
+        self.past_mask = attention_mask.bool()  # [B_active, S_cache]
+        self.next_position = attention_mask.sum(-1)  # position id of each row's root
+        self.max_length = max_length
+
+    def request(self, do_sample: bool) -> DraftRequest:
+        lengths = self.lengths[self.rows]
+        return DraftRequest(
+            self.sequences[self.rows], lengths, self.prompt_length, self.prompt_mask[self.rows], self.rows,
+            self.max_length - lengths - 1, do_sample,
+        )  # fmt: skip
+
+
+def _process_scores(logits_processor, contexts, logits):
+    """Applies the logits processors to `logits` `[K, V]` whose contexts are `contexts` `[K, L]`."""
+    return logits_processor(contexts, logits) if len(logits_processor) else logits
+
+
+def _process_tree_scores(logits_processor, state, tree_ids, ancestors, logits):
+    """Processed scores `[B, N, V]` of every tree node, each with its own path as the processors' context."""
+    if not len(logits_processor):
+        return logits
+    batch_size, num_nodes, vocab = logits.shape
+    if all(isinstance(p, _CONTEXT_FREE_PROCESSORS) for p in logits_processor):
+        flat = logits.reshape(batch_size * num_nodes, vocab)
+        dummy = tree_ids.reshape(-1, 1)
+        return logits_processor(dummy, flat).view(batch_size, num_nodes, vocab)
+    # Context-dependent processors may also hold per-row state sized to the original batch (e.g. the repetition
+    # penalty's `prompt_ignore_length`), so each node is processed in a full-size batch at its row's original index.
+    full_batch = state.sequences.shape[0]
+    scores = torch.empty_like(logits)
+    for b in range(batch_size):
+        row = int(state.rows[b])
+        prefix = state.sequences[row, : state.lengths[row] - 1]  # the root is the tree's node 0
+        for node in range(num_nodes):
+            context = torch.cat([prefix, tree_ids[b][ancestors[b, node]]])  # path order = node order
+            out = logits_processor(context.expand(full_batch, -1), logits[b, node].expand(full_batch, -1).clone())
+            scores[b, node] = out[row]
+    return scores
+
+
+class SpeculativeEngine:
+    """Runs speculative decoding for one `generate` call.
+
+    Args:
+        model (`PreTrainedModel`): the target causal LM.
+        drafter: any object following the drafter protocol of this module's docstring.
+        generation_config (`GenerationConfig`): the prepared config of the call.
+        logits_processor (`LogitsProcessorList`): processors prepared by `generate`.
+        stopping_criteria (`StoppingCriteriaList`): criteria prepared by `generate` (EOS, max length, stop strings).
+        streamer (`BaseStreamer`, *optional*): receives committed tokens (batch size 1 only).
+    """
+
+    def __init__(self, model, drafter, generation_config, logits_processor, stopping_criteria, streamer=None):
+        self.model = model
+        self.drafter = drafter
+        self.generation_config = generation_config
+        self.logits_processor = logits_processor
+        self.stopping_criteria = stopping_criteria
+        self.streamer = streamer
+        self.do_sample = bool(generation_config.do_sample)
+        self.hidden_layers = tuple(getattr(drafter, "requires_hidden_states", ()) or ())
+        self.stats = SpeculativeStats()
+
+    # ----------------------------------------------------------------------------------------------- decoding loop
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask=None, past_key_values=None, position_ids=None):
+        """Decodes until every row stops; returns `sequences` `[B, prompt_length + generated]`."""
+        start = time.perf_counter()
+        pad = _pad_token_id(self.generation_config)
+        state = _DecodeState(input_ids, attention_mask, self.generation_config.max_length, pad)
+        if hasattr(self.drafter, "begin"):
+            self.drafter.begin(input_ids, state.prompt_mask, self.generation_config)
+        cache = self._prefill(state, input_ids, attention_mask, past_key_values, position_ids)
+        while len(state.rows):
+            tic = time.perf_counter()
+            tree = self.drafter.propose(state.request(self.do_sample))
+            self.stats.drafter_time_s += time.perf_counter() - tic
+            tic = time.perf_counter()
+            self._verify(state, cache, tree)
+            self.stats.verify_time_s += time.perf_counter() - tic
+        if self.streamer is not None:
+            self.streamer.end()
+        generated = int(state.lengths.max()) - state.prompt_length
+        self.stats.new_tokens = int((state.lengths - state.prompt_length).sum())
+        self.stats.total_time_s = time.perf_counter() - start
+        return state.sequences[:, : state.prompt_length + generated]
+
+    def _forward(self, cache, **inputs):
+        self.stats.target_forward_passes += 1
+        return self.model(
+            past_key_values=cache, use_cache=True, output_hidden_states=bool(self.hidden_layers), return_dict=True,
+            **inputs,
+        )  # fmt: skip
+
+    def _prefill(self, state, input_ids, attention_mask, cache, position_ids):
+        if cache is None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.model.config)
+        validate_cache_for_speculation(cache)
+        if cache.get_seq_length() > 0:
+            raise ValueError(
+                "speculative decoding starts from an empty cache; pass no `past_key_values` (or an empty one)"
+            )
+        if position_ids is None:
+            position_ids = (state.prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        # Same inputs as `generate`'s own prefill (2D mask or None, cumsum positions), hence the same logits.
+        outputs = self._forward(
+            cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1
+        )
+        logits = outputs.logits[:, -1].float()
+        scores = _process_scores(self.logits_processor, input_ids, logits)
+        tokens = self._pick(scores)
+        new_tokens, finished = self._commit(state, [[t] for t in tokens.tolist()])
+        hidden = {i: outputs.hidden_states[i] for i in self.hidden_layers} if self.hidden_layers else {}
+        result = VerifyResult(
+            state.rows.clone(), new_tokens, torch.full_like(state.rows, -1), state.prompt_mask.sum(-1), finished,
+            hidden, is_prefill=True,
+        )  # fmt: skip
+        self._after_pass(state, cache, result)
+        return cache
+
+    def _pick(self, scores):
+        if self.do_sample:
+            return torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+        return scores.argmax(-1)
+
+    # ------------------------------------------------------------------------------------------- verification pass
+    def _verify(self, state, cache, tree: DraftTree | None):
+        """One target pass over `root + tree` for every active row, then acceptance and cache rollback."""
+        batch_size = len(state.rows)
+        device = state.sequences.device
+        roots = state.sequences[state.rows, state.lengths[state.rows] - 1][:, None]  # [B, 1]
+        if tree is None:
+            tree = DraftTree(roots.new_zeros((batch_size, 0)), roots.new_zeros((batch_size, 0)))
+        num_nodes = tree.num_nodes + 1
+        tree_ids = torch.cat([roots, tree.input_ids.to(device)], dim=1)  # [B, N]
+        parent = to_verification_parents(tree.parent.to(device))
+        if tree.num_aux:
+            parent = torch.cat([parent, tree.aux_parent.to(device) + 1], dim=1)  # [B, N + M]
+        if tree.input_ids.shape[0] != batch_size:
+            raise ValueError(f"the drafter proposed {tree.input_ids.shape[0]} rows for {batch_size} active rows")
+        validate_parents(parent)
+        ancestors = compute_ancestor_matrix(parent)  # [B, N + M, N + M]
+        depths = compute_depths(ancestors)
+        node_valid = torch.ones_like(tree_ids, dtype=torch.bool)
+        if tree.node_mask is not None:
+            node_valid[:, 1:] = tree.node_mask.to(device)
+        # Never verify deeper than what can still be committed (max_length).
+        node_valid &= depths[:, :num_nodes] <= (state.max_length - state.lengths[state.rows])[:, None] - 1
+        self.stats.draft_nodes += int(node_valid[:, 1:].sum())
+
+        if parent.shape[1] == 1:
+            # No draft: exactly `generate`'s decoding step (2D mask, or none without padding/holes): same kernels,
+            # same cost, same logits as plain decoding.
+            mask = None if bool(state.past_mask.all()) else torch.cat([state.past_mask, node_valid], 1).long()
+        else:
+            mask = build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype)
+        positions = tree_position_ids(depths, state.next_position)
+        if tree.num_aux:
+            embeds = self.model.get_input_embeddings()(tree_ids)
+            inputs = {"inputs_embeds": torch.cat([embeds, tree.aux_embeds.to(embeds)], dim=1)}
+        else:
+            inputs = {"input_ids": tree_ids}
+        prefix_length = state.past_mask.shape[1]
+        tic = time.perf_counter()
+        outputs = self._forward(cache, attention_mask=mask, position_ids=positions, **inputs)
+        logits = outputs.logits.float()  # [B, N + M, V]
+        forward_seconds = time.perf_counter() - tic
+        scores = _process_tree_scores(
+            self.logits_processor, state, tree_ids, ancestors[:, :num_nodes, :num_nodes], logits[:, :num_nodes]
+        )
+        paths, bonus = self._accept(tree_ids, parent[:, :num_nodes], ancestors, node_valid, scores, tree)
+        new_tokens, finished = self._commit(
+            state, [tree_ids[b, p[1:]].tolist() + [bonus[b]] for b, p in enumerate(paths)]
+        )
+        self.stats.accepted_histogram.update(len(t) for t in new_tokens)
+        path_length = torch.tensor([len(p) for p in paths], device=device)
+        keep = torch.zeros((batch_size, int(path_length.max())), dtype=torch.long, device=device)
+        for b, p in enumerate(paths):
+            keep[b, : len(p)] = torch.tensor(p, device=device)  # the rest repeats the root and is masked out
+        select_cache_positions(cache, prefix_length, keep)
+        slot_valid = torch.arange(keep.shape[1], device=device)[None] < path_length[:, None]
+        state.past_mask = torch.cat([state.past_mask, slot_valid], dim=1)
+        state.next_position = state.next_position + path_length
+        hidden = {i: _gather_nodes(outputs.hidden_states[i], keep) for i in self.hidden_layers}
+        best = torch.tensor([p[-1] - 1 for p in paths], device=device)
+        aux_logits = logits[:, num_nodes:] if tree.num_aux else None
+        result = VerifyResult(
+            state.rows.clone(), new_tokens, best, path_length, finished, hidden, aux_logits, False,
+            int(tree_ids.shape[0] * parent.shape[1]), forward_seconds,
+        )  # fmt: skip
+        self._after_pass(state, cache, result)
+
+    def _accept(self, tree_ids, parent, ancestors, node_valid, scores, tree):
+        """Accepted path (verification node indices, root first) and bonus token of every row."""
+        num_nodes = tree_ids.shape[1]
+        if not self.do_sample:
+            _best, path_mask, bonus = greedy_accept(
+                tree_ids, ancestors[:, :num_nodes, :num_nodes], parent, scores.argmax(-1), node_valid
+            )
+            return [m.nonzero().flatten().tolist() for m in path_mask], bonus.tolist()
+        probs = torch.softmax(scores, dim=-1)  # [B, N, V]
+        paths, bonus = [], []
+        for b in range(tree_ids.shape[0]):
+            q = None
+            if tree.draft_probs is not None:
+                q = torch.cat([torch.zeros_like(probs[b, :1]), tree.draft_probs[b].to(probs)], dim=0)
+            path, token = sample_accept_tree(
+                tree_ids[b].tolist(), parent[b].tolist(), probs[b], q, node_valid[b].tolist()
+            )
+            paths.append(path)
+            bonus.append(token)
+        return paths, bonus
+
+    # ----------------------------------------------------------------------------------------------- bookkeeping
+    def _commit(self, state, proposals: list[list[int]]):
+        """Appends each active row's tokens one by one, stopping at the first stop condition; never past it."""
+        new_tokens, finished = [], []
+        for b, tokens in enumerate(proposals):
+            row = int(state.rows[b])
+            length = int(state.lengths[row])
+            done, kept = False, []
+            for token in tokens:
+                if length >= state.max_length:
+                    done = True
+                    break
+                state.sequences[row, length] = token
+                length += 1
+                kept.append(token)
+                if self._should_stop(state.sequences[row : row + 1, :length]):
+                    done = True
+                    break
+            done = done or length >= state.max_length
+            state.lengths[row] = length
+            new_tokens.append(kept)
+            finished.append(done)
+            if self.streamer is not None and kept:
+                self.streamer.put(torch.tensor(kept))
+        return new_tokens, torch.tensor(finished, dtype=torch.bool, device=state.sequences.device)
+
+    def _should_stop(self, sequence) -> bool:
+        if not len(self.stopping_criteria):
+            return False
+        return bool(self.stopping_criteria(sequence, None)[0])
+
+    def _after_pass(self, state, cache, result: VerifyResult):
+        if hasattr(self.drafter, "update"):
+            self.drafter.update(result)
+        if result.finished.any():
+            keep = (~result.finished).nonzero().flatten()
+            state.rows = state.rows[keep]
+            state.past_mask = state.past_mask[keep]
+            state.next_position = state.next_position[keep]
+            if len(keep):
+                select_cache_rows(cache, keep)
+
+
+def _gather_nodes(hidden: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
+    """`[B, N, H]` states at the node indices `[B, K]` -> `[B, K, H]`."""
+    return hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def _pad_token_id(generation_config) -> int:
+    pad = generation_config.pad_token_id
+    if pad is None:
+        eos = generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    return 0 if pad is None else int(pad)

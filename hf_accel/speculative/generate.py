@@ -1,0 +1,190 @@
+"""`generate()` integration: the `custom_generate` callable, and a `CandidateGenerator` adapter for chain drafters.
+
+```python
+from hf_accel.speculative import custom_generate
+from hf_accel.speculative.drafters import build_drafter
+
+drafter = build_drafter("ngram", None, model, tokenizer)
+out = model.generate(**inputs, custom_generate=custom_generate, drafter=drafter, max_new_tokens=64)
+out.speculative_stats.mean_accepted  # tokens per target pass, bonus included
+```
+
+transformers 5.23 runs its usual preparation (generation config, cache, logits processors, stopping criteria,
+`max_length`) and then calls the callable as `custom_generate(model, input_ids, logits_processor=...,
+stopping_criteria=..., generation_config=..., **model_kwargs)`, passing through the extra keyword arguments named
+in its signature (here `drafter`). It does *not* forward `streamer` to a callable (it only feeds it the prompt), so
+this function finds the streamer of the enclosing `generate` call itself; see [`_find_streamer`].
+"""
+
+import inspect
+import time
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .engine import DraftRequest, SpeculativeEngine
+from .tree import DraftTree
+
+
+def custom_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    synced_gpus: bool = False,
+    streamer=None,
+    drafter=None,
+    **model_kwargs,
+):
+    """Speculative decoding as a `custom_generate` callable for `model.generate`.
+
+    Args:
+        model (`PreTrainedModel`): the target model (transformers passes it first).
+        input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): left-padded prompts.
+        logits_processor (`LogitsProcessorList`): prepared by `generate`.
+        stopping_criteria (`StoppingCriteriaList`): prepared by `generate` (EOS, max length, stop strings).
+        generation_config (`GenerationConfig`): prepared by `generate`; `do_sample` selects lossless sampling.
+        synced_gpus (`bool`, *optional*): unsupported (must be `False`).
+        streamer (`BaseStreamer`, *optional*): batch size 1 only.
+        drafter: an object following the drafter protocol of [`~hf_accel.speculative.engine`] (required).
+        **model_kwargs: `attention_mask`, `past_key_values`, `position_ids`, ... as prepared by `generate`.
+
+    Returns:
+        `torch.LongTensor` of shape `(batch_size, prompt_length + generated)` (or a `GenerateDecoderOnlyOutput` with
+        `return_dict_in_generate=True`), with `.speculative_stats` attached ([`SpeculativeStats`]).
+
+    Example:
+
+    ```python
+    >>> out = model.generate(**inputs, custom_generate=custom_generate, drafter=drafter, max_new_tokens=32)
+    ```
+    """
+    if drafter is None:
+        raise ValueError("custom_generate needs a drafter: pass `drafter=build_drafter('ngram', None, model, tok)`")
+    _validate_generation_config(generation_config, synced_gpus, input_ids.shape[0])
+    streamer = streamer if streamer is not None else _find_streamer()
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(f"streaming supports batch size 1, got {input_ids.shape[0]}; drop `streamer=` or the batch")
+    engine = SpeculativeEngine(model, drafter, generation_config, logits_processor, stopping_criteria, streamer)
+    sequences = engine.generate(
+        input_ids,
+        attention_mask=model_kwargs.get("attention_mask"),
+        past_key_values=model_kwargs.get("past_key_values"),
+        position_ids=model_kwargs.get("position_ids"),
+    )
+    drafter.last_stats = engine.stats
+    if generation_config.return_dict_in_generate:
+        output = GenerateDecoderOnlyOutput(sequences=sequences)
+        output.speculative_stats = engine.stats
+        return output
+    sequences.speculative_stats = engine.stats
+    return sequences
+
+
+def _validate_generation_config(generation_config, synced_gpus, batch_size):
+    if synced_gpus:
+        raise ValueError("speculative decoding does not support `synced_gpus=True`")
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError(f"speculative decoding needs num_beams=1, got {generation_config.num_beams}")
+    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
+            raise ValueError(f"`{flag}=True` is not supported by hf-accel's speculative decoding; drop it")
+
+
+def _find_streamer():
+    """The `streamer` argument of the enclosing `GenerationMixin.generate` frame, if any.
+
+    transformers 5.23 drops `streamer` from the keyword arguments of a callable `custom_generate` (it rebuilds them
+    from the callable's extra parameters only), but calls `streamer.put(prompt)` itself; reading the caller's local
+    is the only way to keep `model.generate(..., streamer=s, custom_generate=...)` streaming.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if (
+                frame.f_code.co_name == "generate"
+                and "streamer" in frame.f_locals
+                and "custom_generate" in frame.f_locals
+            ):
+                return frame.f_locals["streamer"]
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+class DrafterCandidateGenerator(CandidateGenerator):
+    """Adapter so that a *chain* drafter runs inside transformers' own assisted-generation loop (batch size 1).
+
+    Use it through `model.generate(..., custom_generate=assisted_generate, drafter=d)`. The drafter's tree must be a chain (the first
+    path is taken otherwise); draft probabilities are not passed on (transformers then uses the point-mass rule).
+
+    Args:
+        drafter: a drafter following hf-accel's protocol.
+        generation_config (`GenerationConfig`): the call's config (for `do_sample` and `max_length`).
+        prompt_length (`int`): length of the prompt in `input_ids`.
+    """
+
+    def __init__(self, drafter, generation_config, prompt_length: int):
+        self.drafter = drafter
+        self.generation_config = generation_config
+        self.prompt_length = prompt_length
+        self.drafter_time_s = 0.0
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
+        if input_ids.shape[0] != 1:
+            raise ValueError("transformers' assisted loop supports batch size 1; use `custom_generate` for batches")
+        length = input_ids.shape[1]
+        request = DraftRequest(
+            input_ids, torch.tensor([length]), self.prompt_length, torch.ones_like(input_ids[:, : self.prompt_length]),
+            torch.tensor([0]), torch.tensor([self.generation_config.max_length - length - 1]),
+            bool(self.generation_config.do_sample),
+        )  # fmt: skip
+        tic = time.perf_counter()
+        tree = self.drafter.propose(request)
+        self.drafter_time_s += time.perf_counter() - tic
+        chain = _first_chain(tree)
+        candidates = torch.cat([input_ids, torch.tensor([chain], dtype=torch.long, device=input_ids.device)], 1)
+        return candidates, None
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores, num_matches: int):
+        pass
+
+
+def _first_chain(tree: DraftTree | None) -> list[int]:
+    """Tokens of the chain starting at the first child of the root (the whole draft for a chain drafter)."""
+    if tree is None or tree.num_nodes == 0:
+        return []
+    ids, parent = tree.input_ids[0].tolist(), tree.parent[0].tolist()
+    valid = tree.node_mask[0].tolist() if tree.node_mask is not None else [True] * len(ids)
+    chain, last = [], -1
+    for i, (token, p) in enumerate(zip(ids, parent)):
+        if valid[i] and p == last:
+            chain.append(token)
+            last = i
+    return chain
+
+
+def assisted_generate(
+    model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, synced_gpus=False,
+    streamer=None, drafter=None, **model_kwargs,
+):  # fmt: skip
+    """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`])."""
+    if drafter is None:
+        raise ValueError("assisted_generate needs `drafter=`")
+    streamer = streamer if streamer is not None else _find_streamer()
+    if hasattr(drafter, "begin"):
+        drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)
+    candidate_generator = DrafterCandidateGenerator(drafter, generation_config, input_ids.shape[1])
+    # `_assisted_decoding` builds its generator with `_get_candidate_generator`; shadow that method on this instance
+    # for the duration of the call (transformers 5.23 has no public hook to pass a CandidateGenerator in).
+    model._get_candidate_generator = lambda *args, **kwargs: candidate_generator
+    try:
+        return model._assisted_decoding(
+            input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+            generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
+        )  # fmt: skip
+    finally:
+        del model._get_candidate_generator

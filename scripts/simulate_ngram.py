@@ -1,0 +1,79 @@
+"""Tune the Infinigram drafter offline on recorded greedy outputs (a self-distillation cache).
+
+    python scripts/simulate_ngram.py --cache IDX/self_distill.jsonl --prompts humaneval --limit 100 --eval-last 20
+
+Outputs of the first prompts build the index; the last `--eval-last` are decoded in simulation (their own outputs are
+not indexed). Prints mean accepted length and estimated speedup for a grid of settings.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import tempfile
+
+from transformers import AutoTokenizer
+
+from hf_accel.eval.prompts import load_prompts
+from hf_accel.loading import resolve_model
+from hf_accel.speculative.drafters.build import build_index_from_documents
+from hf_accel.speculative.drafters.index import InfinigramIndex
+from hf_accel.speculative.drafters.infinigram import InfinigramConfig, InfinigramDrafter
+from hf_accel.speculative.drafters.simulate import simulate_greedy
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cache", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--eval-last", type=int, default=20)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--extra-docs", default=None, help="pickled list of token-id documents added to the index")
+    parser.add_argument("--grid", default="{}", help="JSON dict of InfinigramConfig field -> list of values")
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    prompts = {p.question_id: p for p in load_prompts(args.prompts, tokenizer, args.limit, args.offset)}
+    with open(args.cache) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    records = [r for r in records if r["question_id"] in prompts]
+    order = list(prompts)
+    records.sort(key=lambda r: order.index(r["question_id"]))
+    build, held = records[: -args.eval_last], records[-args.eval_last :]
+    cases = [
+        (tokenizer(prompts[r["question_id"]].text, add_special_tokens=False)["input_ids"], r["tokens"]) for r in held
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        documents = [r["tokens"] for r in build]
+        if args.extra_docs:
+            import pickle
+
+            with open(args.extra_docs, "rb") as f:
+                documents += pickle.load(f)
+        header, _ = build_index_from_documents(documents, tokenizer, tmp, ["simulation"])
+        index = InfinigramIndex(tmp)
+        grid = json.loads(args.grid)
+        keys = list(grid)
+        print(f"index: {header.num_tokens} tokens from {len(build)} outputs; eval on {len(held)} outputs")
+        for values in itertools.product(*[grid[k] for k in keys]):
+            overrides = dict(zip(keys, values))
+            for use_index in json.loads(os.environ.get("SIM_INDEX", "[false, true]")):
+                drafter = InfinigramDrafter(index if use_index else None, config=InfinigramConfig(**overrides))
+                r = simulate_greedy(drafter, cases)
+                print(
+                    json.dumps(
+                        {
+                            "index": use_index,
+                            **overrides,
+                            "mean_accepted": round(r.mean_accepted, 3),
+                            "est_speedup": round(r.estimated_speedup, 3),
+                            "nodes_per_pass": round(r.draft_nodes / r.passes, 2),
+                        }
+                    ),
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+import torch
+
+from hf_accel.speculative.acceptance import greedy_accept, residual_distribution, sample_accept_tree
+from hf_accel.speculative.tree import compute_ancestor_matrix
+
+
+def test_greedy_accept_hand_computed():
+    # root -> (1: tok 5, 2: tok 6); 1 -> 3: tok 7; 2 -> 4: tok 8; 3 -> 5: tok 9
+    tree_ids = torch.tensor([[0, 5, 6, 7, 8, 9]])
+    parent = torch.tensor([[-1, 0, 0, 1, 2, 3]])
+    ancestors = compute_ancestor_matrix(parent)
+    # target picks: after root 6, after node 2 -> 8, after node 4 -> 11
+    target = torch.tensor([[6, 7, 8, 9, 11, 3]])
+    best, path_mask, bonus = greedy_accept(tree_ids, ancestors, parent, target)
+    assert best.tolist() == [4] and path_mask[0].nonzero().flatten().tolist() == [0, 2, 4] and bonus.tolist() == [11]
+    # nothing matches: the root only, bonus = target after root
+    target = torch.tensor([[1, 1, 1, 1, 1, 1]])
+    best, path_mask, bonus = greedy_accept(tree_ids, ancestors, parent, target)
+    assert best.tolist() == [0] and bonus.tolist() == [1]
+    # padding nodes are never accepted
+    target = torch.tensor([[5, 7, 8, 9, 11, 3]])
+    valid = torch.tensor([[True, True, True, False, True, True]])
+    best, _, bonus = greedy_accept(tree_ids, ancestors, parent, target, valid)
+    assert best.tolist() == [1] and bonus.tolist() == [7]
+
+
+def test_residual_distribution():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.6, 0.2])
+    torch.testing.assert_close(residual_distribution(p, q), torch.tensor([1.0, 0.0, 0.0]))
+    torch.testing.assert_close(residual_distribution(p, torch.tensor([1.0, 0, 0])), torch.tensor([0.0, 0.6, 0.4]))
+
+
+def _first_token_distribution(tree_ids, parent, p, q, n, seed=0):
+    torch.manual_seed(seed)
+    counts = torch.zeros(p.shape[-1])
+    for _ in range(n):
+        if q is not None:  # stochastic drafter: the root's children are i.i.d. draws from q
+            tree_ids = [0] + torch.multinomial(q[1], len(tree_ids) - 1, replacement=True).tolist()
+        path, bonus = sample_accept_tree(tree_ids, parent, p, q)
+        first = tree_ids[path[1]] if len(path) > 1 else bonus
+        counts[first] += 1
+    return counts / n
+
+
+def test_sampling_tree_keeps_first_token_distribution():
+    """Point-mass siblings and stochastic siblings: the first emitted token is distributed as p_root."""
+    vocab = 5
+    p = torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05]] + [[0.2] * vocab] * 3)
+    tree_ids, parent = [0, 1, 3, 1], [-1, 0, 0, 0]  # duplicate sibling token on purpose
+    freq = _first_token_distribution(tree_ids, parent, p, None, 4000)
+    assert 0.5 * (freq - p[0]).abs().sum() < 0.04
+    q_row = torch.tensor([0.5, 0.1, 0.1, 0.2, 0.1])
+    q = torch.stack([q_row] * 4)
+    freq = _first_token_distribution(tree_ids, parent, p, q, 4000, seed=1)
+    assert 0.5 * (freq - p[0]).abs().sum() < 0.04

@@ -1,0 +1,243 @@
+"""Equivalence invariants of the verification engine on tiny random Llamas: greedy output == plain `generate`."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_accel.speculative import DraftTree, assisted_generate, custom_generate
+from tests.conftest import make_tiny_llama
+
+
+class ReferenceDrafter:
+    """Drafts from a known continuation (`reference[row]`), as a chain or a tree with wrong siblings mixed in."""
+
+    def __init__(self, reference, depth=4, tree=False, corrupt_every=3, seed=0):
+        self.reference, self.depth, self.tree, self.corrupt_every = reference, depth, tree, corrupt_every
+        self.rng = random.Random(seed)
+        self.results = []
+
+    def propose(self, request):
+        trees = []
+        for b in range(len(request.rows)):
+            row, length = int(request.rows[b]), int(request.lengths[b])
+            chain = self.reference[row, length : length + self.depth].tolist()
+            if self.corrupt_every and chain and self.rng.randrange(self.corrupt_every) == 0:
+                chain[self.rng.randrange(len(chain))] = self.rng.randrange(3, 97)
+            tokens, parents = list(chain), list(range(-1, len(chain) - 1))
+            if self.tree:  # a wrong sibling at every depth, and a wrong child under it
+                for d in range(len(chain)):
+                    tokens += [self.rng.randrange(3, 97), self.rng.randrange(3, 97)]
+                    parents += [d - 1, len(tokens) - 2]
+            trees.append((tokens, parents))
+        return DraftTree.from_parent_lists(trees)
+
+    def update(self, result):
+        self.results.append(result)
+
+
+def _ragged_batch(batch_size=4, width=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 97, (batch_size, width), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    for b in range(batch_size):
+        pad = (b * 3) % (width - 2)
+        attention_mask[b, :pad] = 0
+        input_ids[b, :pad] = 0
+    return input_ids, attention_mask
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_greedy_identity_chain_and_tree(tiny_llama, tree, batch_size):
+    input_ids, attention_mask = _ragged_batch(batch_size)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 24, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs)
+    drafter = ReferenceDrafter(reference, depth=5, tree=tree)
+    out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(out, reference)
+    stats = out.speculative_stats
+    assert stats.mean_accepted > 1.5 and stats.target_forward_passes < 24
+    assert drafter.last_stats is stats
+
+
+def test_eos_mid_draft_and_rows_finishing_at_different_times():
+    model = make_tiny_llama()
+    input_ids, attention_mask = _ragged_batch(4, seed=3)
+    free = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False)
+    eos = int(free[0, input_ids.shape[1] + 5])  # a token row 0 emits mid-way
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 20, "do_sample": False,
+                  "eos_token_id": eos, "pad_token_id": 0}  # fmt: skip
+    reference = model.generate(**kwargs)
+    # Draft the EOS-free continuation 8 tokens deep: drafts run past EOS and must be cut there.
+    out = model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(free, 8, corrupt_every=0))
+    assert torch.equal(out, reference)
+
+
+def test_max_new_tokens_and_max_length_mid_draft(tiny_llama):
+    input_ids, attention_mask = _ragged_batch(2)
+    for limit in ({"max_new_tokens": 5}, {"max_length": input_ids.shape[1] + 3}):
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **limit)
+        reference = tiny_llama.generate(**kwargs)
+        long_reference = tiny_llama.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=16)
+        drafter = ReferenceDrafter(long_reference, depth=8, corrupt_every=0)
+        out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+        assert torch.equal(out, reference)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_trees_never_change_greedy_output(tiny_llama, data):
+    input_ids, attention_mask = _ragged_batch(data.draw(st.integers(1, 3)), seed=data.draw(st.integers(0, 5)))
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs)
+
+    class RandomTreeDrafter:
+        def propose(self, request):
+            trees = []
+            for b in range(len(request.rows)):
+                row, length = int(request.rows[b]), int(request.lengths[b])
+                n = data.draw(st.integers(0, 10))
+                parents = [data.draw(st.integers(-1, i - 1)) for i in range(n)]
+                tokens = []
+                for i, p in enumerate(parents):
+                    depth = 1
+                    while p >= 0:
+                        p, depth = parents[p], depth + 1
+                    good = reference[row, length + depth - 1] if length + depth - 1 < reference.shape[1] else 5
+                    tokens.append(int(good) if data.draw(st.booleans()) else data.draw(st.integers(0, 96)))
+                trees.append((tokens, parents))
+            return DraftTree.from_parent_lists(trees)
+
+    out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=RandomTreeDrafter())
+    assert torch.equal(out, reference)
+
+
+class _ContextFreeProbe:
+    """Stochastic drafter with draft probabilities: two i.i.d. siblings from q, one child under the first."""
+
+    def __init__(self, vocab, stochastic):
+        self.vocab, self.stochastic = vocab, stochastic
+        self.q = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(7)), -1)
+
+    def propose(self, request):
+        batch_size = len(request.rows)
+        if self.stochastic:
+            tokens = torch.multinomial(self.q.expand(batch_size, -1), 3, replacement=True)
+            probs = self.q.expand(batch_size, 3, -1).clone()
+        else:  # deterministic point-mass drafts
+            tokens, probs = torch.tensor([[4, 9, 4]]).expand(batch_size, -1), None
+        return DraftTree(tokens, torch.tensor([[-1, -1, 0]]).expand(batch_size, -1), draft_probs=probs)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_sampling_keeps_target_distribution(stochastic):
+    """3000 rows in one call; the first two sampled tokens (the second one verified): joint law vs the exact law."""
+    model = make_tiny_llama(seed=1, vocab_size=12)
+    prompt = torch.tensor([[3, 5, 7]])
+    temperature, top_k = 0.9, 4
+    with torch.no_grad():  # exact law of (t1, t2) under temperature + top-k
+
+        def law(ids):
+            logits = model(ids).logits[0, -1] / temperature
+            logits[logits < logits.topk(top_k).values[-1]] = -float("inf")
+            return torch.softmax(logits, -1)
+
+        p1 = law(prompt)
+        joint = torch.stack([p1[a] * law(torch.cat([prompt, torch.tensor([[a]])], 1)) for a in range(12)])
+    n = 3000
+    torch.manual_seed(0)
+    out = model.generate(
+        prompt.expand(n, -1), max_new_tokens=3, do_sample=True, temperature=temperature, top_k=top_k,
+        custom_generate=custom_generate, drafter=_ContextFreeProbe(12, stochastic),
+    )  # fmt: skip
+    counts = torch.zeros(12, 12)
+    for a, b in out[:, 3:5].tolist():
+        counts[a, b] += 1
+    tv = 0.5 * (counts / n - joint).abs().sum()
+    assert tv < 0.07, tv  # sampling noise for ~16 outcomes at n=3000 is ~0.03
+    assert out.speculative_stats.mean_accepted > 1.0
+
+
+def test_sampling_is_reproducible_with_seed(tiny_llama):
+    input_ids, attention_mask = _ragged_batch(2)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 10, "do_sample": True,
+                  "temperature": 0.7, "custom_generate": custom_generate}  # fmt: skip
+    reference = tiny_llama.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=10)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        outs.append(tiny_llama.generate(**kwargs, drafter=ReferenceDrafter(reference)))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_streamer_receives_exactly_the_output(tiny_llama):
+    class Collect:
+        def __init__(self):
+            self.tokens, self.ended = [], False
+
+        def put(self, value):
+            self.tokens += value.flatten().tolist()
+
+        def end(self):
+            self.ended = True
+
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=12, do_sample=False)
+    streamer = Collect()
+    out = tiny_llama.generate(input_ids, max_new_tokens=12, streamer=streamer, custom_generate=custom_generate,
+                              drafter=ReferenceDrafter(reference))  # fmt: skip
+    assert streamer.ended and streamer.tokens == out[0].tolist() == reference[0].tolist()
+
+
+def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=16, do_sample=False)
+    out = tiny_llama.generate(input_ids, max_new_tokens=16, custom_generate=assisted_generate,
+                              drafter=ReferenceDrafter(reference, depth=4))  # fmt: skip
+    assert torch.equal(out, reference)
+
+
+def test_hidden_states_and_auxiliary_inputs_reach_the_drafter(tiny_llama):
+    """A PPD-like drafter: aux embeddings under the last draft node; CP-like: last-layer hidden states."""
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=10, do_sample=False)
+    embed = tiny_llama.get_input_embeddings().weight
+
+    class AuxDrafter(ReferenceDrafter):
+        requires_hidden_states = (-1,)
+
+        def propose(self, request):
+            tree = super().propose(request)
+            n = tree.num_nodes
+            tree.aux_embeds = embed[[11, 12]][None].expand(len(request.rows), -1, -1)
+            tree.aux_parent = torch.tensor([[n - 1, n]]).expand(len(request.rows), -1)  # a chain under the leaf
+            return tree
+
+    drafter = AuxDrafter(reference, depth=3, corrupt_every=0)
+    out = tiny_llama.generate(input_ids, max_new_tokens=10, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(out, reference)
+    prefill, first = drafter.results[0], drafter.results[1]
+    assert prefill.is_prefill and prefill.hidden_states[-1].shape == (1, 4, 32)
+    assert first.aux_logits.shape == (1, 2, 97)
+    assert first.hidden_states[-1].shape == (1, int(first.path_length[0]), 32)
+    # The aux logits are those of the sequence continued with the aux tokens' embeddings.
+    committed = reference[:, : 4 + 1 + 3]  # prompt, first token, 3 accepted drafts
+    expected = tiny_llama(torch.cat([committed, torch.tensor([[11, 12]])], 1)).logits[0, -2:]
+    torch.testing.assert_close(first.aux_logits[0], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("processor", [{"repetition_penalty": 1.5}, {"min_new_tokens": 8, "no_repeat_ngram_size": 2}])
+def test_context_dependent_processors_keep_greedy_identity(processor):
+    """Processors that read the context see each tree node's own path (left-padded batch of 2)."""
+    model = make_tiny_llama(seed=2)
+    input_ids, attention_mask = _ragged_batch(2, seed=4)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 16, "do_sample": False}
+    free = model.generate(**kwargs)
+    reference = model.generate(**kwargs, **processor)
+    for drafts_from in (free, reference):
+        drafter = ReferenceDrafter(drafts_from, depth=4, tree=True)
+        out = model.generate(**kwargs, **processor, custom_generate=custom_generate, drafter=drafter)
+        assert torch.equal(out, reference)

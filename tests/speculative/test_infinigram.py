@@ -1,0 +1,185 @@
+import numpy as np
+import pytest
+import torch
+
+from hf_accel.speculative import custom_generate
+from hf_accel.speculative.drafters.index import InfinigramIndex, build_index, tokenizer_fingerprint
+from hf_accel.speculative.drafters.infinigram import (
+    InfinigramConfig,
+    InfinigramDrafter,
+    build_weighted_trie,
+    context_matches,
+    select_tree_nodes,
+)
+
+
+class FakeTokenizer:
+    def __init__(self, vocab_size, name="fake", shift=0):
+        self.vocab = {f"t{i + shift}": i for i in range(vocab_size)}
+        self.name_or_path = name
+
+    def get_vocab(self):
+        return self.vocab
+
+
+def _brute_longest_suffix(docs, context):
+    best = 0
+    for m in range(1, len(context) + 1):
+        pattern = list(context[-m:])
+        if any(doc[i : i + m] == pattern for doc in docs for i in range(len(doc) - m + 1)):
+            best = m
+        else:
+            break
+    return best
+
+
+def _brute_continuations(docs, context, m, depth):
+    pattern, out = list(context[-m:]), []
+    for doc in docs:
+        for i in range(len(doc) - m + 1):
+            if doc[i : i + m] == pattern:
+                out.append(tuple(doc[i + m : i + m + depth]))
+    return sorted(out)
+
+
+@pytest.fixture
+def small_index(tmp_path):
+    rng = np.random.default_rng(0)
+    # Ids beyond 65,535 on purpose: 32-bit storage.
+    alphabet = np.array([3, 7, 70000, 70001, 123456])
+    docs = [rng.choice(alphabet, size=rng.integers(5, 40)).tolist() for _ in range(30)]
+    name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(200000))
+    build_index(docs, tmp_path / "idx", name, vocab_hash, vocab_size, sources=["unit"])
+    return docs, InfinigramIndex(tmp_path / "idx")
+
+
+@pytest.mark.parametrize("dense_range", [2048, 1])  # 1: every range takes the binary-search path
+def test_index_round_trip_matches_brute_force(small_index, monkeypatch, dense_range):
+    from hf_accel.speculative.drafters import index as index_module
+
+    monkeypatch.setattr(index_module, "_DENSE_RANGE", dense_range)
+    docs, index = small_index
+    assert index.header.num_documents == 30 and index.header.num_tokens == sum(map(len, docs)) + 30
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        doc = docs[rng.integers(len(docs))]
+        start = rng.integers(len(doc))
+        context = doc[max(0, start - 12) : start + 1] if rng.random() < 0.7 else rng.choice([3, 7, 70000], 6).tolist()
+        m, lo, hi = index.longest_suffix(context)
+        assert m == _brute_longest_suffix(docs, context)
+        if m:
+            conts = index.continuations(lo, hi, m, depth=4, max_support=10**6)
+            got = sorted(tuple(int(t) for t in row if t >= 0) for row in conts)
+            assert got == _brute_continuations(docs, context, m, 4)
+
+
+def test_unknown_token_and_empty_context(small_index):
+    _, index = small_index
+    assert index.longest_suffix([]) == (0, 0, 0)
+    assert index.longest_suffix([5]) == (0, 0, 0)
+
+
+def test_tokenizer_mismatch_is_refused(small_index):
+    _, index = small_index
+    index.check_tokenizer(FakeTokenizer(200000))
+    with pytest.raises(ValueError, match="different tokenizer|vocabulary hash"):
+        index.check_tokenizer(FakeTokenizer(200000, shift=1))
+    with pytest.raises(ValueError, match="Rebuild the index"):
+        InfinigramDrafter(index, tokenizer=FakeTokenizer(1000))
+
+
+def test_context_matches_brute_force():
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        context = rng.integers(0, 4, size=rng.integers(2, 40))
+        ends, lengths = context_matches(context, max_match=64)
+        expected = {}
+        for i in range(len(context) - 1):
+            length = 0
+            while length <= i and context[i - length] == context[len(context) - 1 - length]:
+                length += 1
+            if length:
+                expected[i] = length
+        assert dict(zip(ends.tolist(), lengths.tolist())) == expected
+
+
+def test_trie_and_selection():
+    conts = np.array([[1, 2, 3], [1, 2, 4], [5, -1, -1]])
+    tokens, parents, weights = build_weighted_trie(conts, np.array([1.0, 2.0, 0.5]))
+    # level order: (root,1) (root,5) | (0,2) | (2,3) (2,4)
+    assert tokens == [1, 5, 2, 3, 4] and parents == [-1, -1, 0, 2, 2] and weights == [3.0, 0.5, 3.0, 1.0, 2.0]
+    scores = [w / 3.5 for w in weights]
+    assert select_tree_nodes(parents, scores, 3, 0.1, chain=False) == [0, 2, 4]
+    assert select_tree_nodes(parents, scores, 8, 0.1, chain=True) == [0, 2, 4]
+    assert select_tree_nodes(parents, scores, 8, 0.0, chain=False) == [0, 1, 2, 3, 4]
+    pruned = build_weighted_trie(conts, np.array([1.0, 2.0, 0.5]), min_weight=1.5)
+    assert pruned == ([1, 2, 4], [-1, 0, 1], [3.0, 3.0, 2.0])
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_infinigram_greedy_identity_tiny_model(tiny_llama, tmp_path, tree):
+    """Context-only and indexed drafting never change greedy output (batch 3, ragged)."""
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 5, 6], [8, 9, 10, 8, 9, 10, 8], [0, 11, 12, 13, 11, 12, 13]])
+    attention_mask = (input_ids != 0).long()
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 30, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs)
+    name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(97))
+    build_index([row.tolist() for row in reference], tmp_path / "idx", name, vocab_hash, vocab_size)
+    for index in (None, tmp_path / "idx"):
+        drafter = InfinigramDrafter(index, FakeTokenizer(97), InfinigramConfig(tree=tree))
+        out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+        assert torch.equal(out, reference)
+    assert out.speculative_stats.mean_accepted > 3  # the index holds these very outputs
+
+
+def test_registry_and_index_build_cli(tmp_path, capsys):
+    import json
+
+    from hf_accel.cli import main
+    from hf_accel.speculative.drafters import available_drafters, build_drafter
+
+    assert "ngram" in available_drafters()
+    with pytest.raises(ValueError, match="unknown drafter"):
+        build_drafter("nope", None, None, None)
+    text = tmp_path / "a.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 20)
+    assert main(["index", "build", "--out", str(tmp_path / "idx"), "--text", str(text), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens"] > 100 and result["documents"] == 1 and result["build_tokens_per_s"] > 0
+    from transformers import AutoTokenizer
+
+    from hf_accel.loading import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    drafter = build_drafter("ngram", str(tmp_path / "idx"), None, tokenizer)
+    assert drafter.index.header.num_documents == 1
+    with pytest.raises(ValueError, match="Rebuild the index"):
+        build_drafter("ngram", str(tmp_path / "idx"), None, FakeTokenizer(49152))
+
+
+def test_width_choice_follows_the_cost_model():
+    from hf_accel.speculative.cost import PassCostModel, interpolate_cost
+    from hf_accel.speculative.drafters.infinigram import choose_tree_width
+
+    points = ((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1))
+    assert interpolate_cost(1, points) == 1.0 and interpolate_cost(24, points) == pytest.approx(1.725)
+    assert interpolate_cost(96, points) == pytest.approx(6.2)
+    cost = PassCostModel(points, adaptive=False)
+    assert choose_tree_width([[0.2]], cost, 16) == 0  # 1.2 tokens for 1.3x the time: not worth it
+    assert choose_tree_width([[0.9, 0.8, 0.7] + [0.05] * 13], cost, 16) == 15  # nearly free up to 16 tokens
+    # batch 8: the padded width multiplies the pass size
+    assert choose_tree_width([[0.9, 0.6, 0.3, 0.1]] * 8, cost, 16) == 2
+
+
+def test_cost_model_learns_from_observed_passes():
+    from hf_accel.speculative.cost import PassCostModel
+    from hf_accel.speculative.drafters.infinigram import choose_tree_width
+
+    model = PassCostModel(((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1)), momentum=0.0)
+    scores = [[0.9, 0.8, 0.7] + [0.05] * 13]
+    assert model.needs_anchor(1) and choose_tree_width(scores, model, 16) == 15
+    model.observe(1, 0.2)
+    model.observe(16, 0.6)  # 16 tokens cost 3x a plain pass on this (loaded) machine
+    assert not model.needs_anchor(1)
+    assert model.cost(16) == 0.6 and model.cost(2) == pytest.approx(0.2 * 1.3)
+    assert choose_tree_width(scores, model, 16) == 3  # only the confident nodes are worth it now

@@ -1,0 +1,79 @@
+import random
+
+import torch
+
+from hf_accel.speculative.tree import (
+    DraftTree,
+    build_tree_attention_mask,
+    compute_ancestor_matrix,
+    compute_depths,
+    extract_path,
+    to_verification_parents,
+    tree_position_ids,
+    validate_parents,
+)
+
+
+def _random_parents(num_nodes, rng):
+    return [-1] + [rng.randrange(i) for i in range(1, num_nodes)]
+
+
+def test_ancestors_depths_and_paths_match_brute_force():
+    rng = random.Random(0)
+    for _ in range(20):
+        parents = [_random_parents(rng.randint(1, 12), rng) for _ in range(1)]
+        parent = torch.tensor(parents)
+        ancestors = compute_ancestor_matrix(parent)[0]
+        depths = compute_depths(ancestors[None])[0]
+        for i in range(parent.shape[1]):
+            path = extract_path(parents[0], i)
+            assert path[0] == 0 and path[-1] == i
+            assert sorted(ancestors[i].nonzero().flatten().tolist()) == sorted(path)
+            assert depths[i] == len(path) - 1
+
+
+def test_tree_mask_and_positions_brute_force():
+    parent = torch.tensor([[-1, 0, 0, 1, 3], [-1, 0, 1, 2, 3]])
+    past_mask = torch.tensor([[False, True, True], [True, True, True]])
+    ancestors = compute_ancestor_matrix(parent)
+    mask = build_tree_attention_mask(ancestors, past_mask)
+    assert mask.shape == (2, 1, 5, 8)
+    for b in range(2):
+        for i in range(5):
+            path = extract_path(parent[b], i)
+            for j in range(8):
+                allowed = bool(past_mask[b, j]) if j < 3 else (j - 3) in path
+                assert (mask[b, 0, i, j] == 0) == allowed
+    positions = tree_position_ids(compute_depths(ancestors), torch.tensor([2, 3]))
+    assert positions.tolist() == [[2, 3, 3, 4, 5], [3, 4, 5, 6, 7]]
+
+
+def test_draft_tree_builders():
+    tree = DraftTree.from_chains([[5, 6, 7], [], [8]])
+    assert tree.input_ids.shape == (3, 3)
+    assert tree.node_mask.tolist() == [[True] * 3, [False] * 3, [True, False, False]]
+    full = to_verification_parents(tree.parent)
+    validate_parents(full)
+    assert full[0].tolist() == [-1, 0, 1, 2]
+    tree = DraftTree.from_parent_lists([([4, 5, 6], [-1, -1, 0])])
+    assert to_verification_parents(tree.parent)[0].tolist() == [-1, 0, 0, 1]
+
+
+def test_tree_mask_matches_sequential_decoding(tiny_llama):
+    """Each node's logits equal those of plain sequential decoding along its path (DESIGN.md, checked fact)."""
+    from transformers import DynamicCache
+
+    prompt = torch.tensor([[5, 9, 13, 17]])
+    tree_ids = torch.tensor([[21, 30, 31, 40, 41]])
+    parent = torch.tensor([[-1, 0, 0, 1, 2]])
+    cache = DynamicCache(config=tiny_llama.config)
+    tiny_llama(prompt, past_key_values=cache, use_cache=True)
+    ancestors = compute_ancestor_matrix(parent)
+    mask = build_tree_attention_mask(ancestors, torch.ones(1, 4, dtype=torch.bool))
+    positions = tree_position_ids(compute_depths(ancestors), torch.tensor([4]))
+    logits = tiny_llama(tree_ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+    for node in range(5):
+        path = extract_path(parent[0], node)
+        full = torch.cat([prompt, tree_ids[:, path]], dim=1)
+        expected = tiny_llama(full).logits[0, -1]
+        torch.testing.assert_close(logits[0, node], expected, atol=1e-5, rtol=1e-5)
