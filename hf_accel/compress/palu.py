@@ -1,0 +1,627 @@
+"""Palu: grouped low-rank K/V projections with latent caching, Fisher ranks and Hadamard-rotated low-bit latents.
+
+Pipeline (spec 002 §2, issue 4): calibrate the k/v-projection input second moments on the original model (shared with
+CARE, [`collect_kv_calibration`]); allocate per-layer group ranks for K and V, uniform or Fisher-proportional under one
+global budget ([`allocate_fisher_ranks`]); factorize every group of `s` KV heads with the whitened (truncation-aware)
+SVD shared with CARE ([`factorize`] with `S = √C_λ`); optionally fold a Walsh–Hadamard rotation into each group's
+factors; fold the value reconstruction into `o_proj`; build a `PaluLlamaForCausalLM` whose cache holds
+`n_g·(r_k + r_v)` numbers (or packed low-bit codes) per token per layer.
+
+Grouping of GQA models (spec §7 item 7): groups are formed over the **key/value heads**, in order: group `g` holds KV
+heads `[g·s, (g+1)·s)`, and query head `h` reads KV head `h // (num_heads / num_key_value_heads)` as in the original.
+J-LRD with uniform ranks (`s = num_key_value_heads`) is CARE-U's factorization of the whole K or V projection.
+"""
+
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .calibration import collect_kv_calibration, load_calibration_text, tokenize_calibration_text
+from .factorize import factorize, shrink_moment, symmetric_sqrt
+from .fisher import allocate_fisher_ranks, collect_fisher_scores
+
+
+RANK_METHODS = ("uniform", "fisher")
+QUANT_BITS = (0, 2, 3, 4)
+_PAPER = {"title": "Palu: KV-Cache Compression with Low-Rank Projection", "arxiv": "2407.21118"}
+
+
+@dataclass
+class PaluConversionConfig:
+    """Options of a Palu conversion (the CLI's `convert palu` flags map to these fields)."""
+
+    kv_keep: float = field(default=0.5, metadata={"help": "Fraction of the K+V cache width kept, in (0, 1]."})
+    group_size: int = field(default=4, metadata={"help": "KV heads per group s (1: M-LRD, all: J-LRD)."})
+    ranks: str = field(default="fisher", metadata={"help": "Rank allocation: 'uniform' or 'fisher'."})
+    quant_bits: int = field(default=0, metadata={"help": "0 (float latents), or 2/3/4-bit per-token latents."})
+    hadamard: bool = field(default=True, metadata={"help": "Fold a Walsh–Hadamard rotation into the factors."})
+    rank_multiple: int = field(default=8, metadata={"help": "Every group rank is a multiple of this."})
+    calib_samples: int = field(default=64, metadata={"help": "Calibration sequences for the whitening moments."})
+    calib_seq_len: int = field(default=256, metadata={"help": "Tokens per calibration sequence."})
+    fisher_samples: int = field(default=16, metadata={"help": "Sequences (one backward each) for Fisher scores."})
+    alpha: float = field(default=0.05, metadata={"help": "Shrinkage α of C_λ = (1−α)C + αλI (shared with CARE)."})
+    lam_frac: float = field(default=1e-2, metadata={"help": "λ as a fraction of λ_max(C)."})
+    quant_group_size: int = field(default=0, metadata={"help": "Channels per scale/zero; 0: a group's whole latent."})
+    residual_length: int = field(default=0, metadata={"help": "Recent tokens also cached in full precision."})
+    kernel_backend: str = field(default="eager", metadata={"help": "'eager' or 'triton' kernels at run time."})
+    seed: int = field(default=3, metadata={"help": "Seed of the calibration window sampling."})
+
+    def __post_init__(self):
+        if not (isinstance(self.kv_keep, (int, float)) and 0.0 < self.kv_keep <= 1.0):
+            raise ValueError(
+                f"kv_keep must be in (0, 1] (the fraction of the K+V cache to keep), got {self.kv_keep!r}"
+            )
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
+        if self.ranks not in RANK_METHODS:
+            raise ValueError(f"unknown rank allocation {self.ranks!r}; choose one of {', '.join(RANK_METHODS)}")
+        if self.quant_bits not in QUANT_BITS:
+            raise ValueError(f"quant_bits must be one of {QUANT_BITS}, got {self.quant_bits!r}")
+        if not isinstance(self.rank_multiple, int) or self.rank_multiple < 1:
+            raise ValueError(f"rank_multiple must be a positive integer, got {self.rank_multiple!r}")
+        if self.calib_samples < 1 or self.calib_seq_len < 2 or (self.ranks == "fisher" and self.fisher_samples < 1):
+            raise ValueError("calib_samples, fisher_samples must be ≥ 1 and calib_seq_len ≥ 2")
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure layout helpers (G-LRD, spec §2.2)
+
+
+def group_kv_weight(weight: torch.Tensor, num_key_value_heads: int, head_dim: int, group_size: int) -> torch.Tensor:
+    """
+    Split a K or V projection into its G-LRD groups of `group_size` consecutive KV heads.
+
+    Args:
+        weight (`torch.Tensor` of shape `[in, num_key_value_heads · head_dim]`): `W = linear.weight.T`.
+        num_key_value_heads (`int`): KV heads of the projection.
+        head_dim (`int`): channels per head.
+        group_size (`int`): KV heads per group `s`; it must divide `num_key_value_heads`.
+
+    Returns:
+        `torch.Tensor` of shape `[n_g, in, s · head_dim]`: `W_{g_j} = [W_{j,1} … W_{j,s}]` for every group `j`.
+    """
+    if group_size < 1 or num_key_value_heads % group_size:
+        raise ValueError(
+            f"group_size {group_size} must divide the model's {num_key_value_heads} key/value heads "
+            f"(choose one of {[s for s in range(1, num_key_value_heads + 1) if num_key_value_heads % s == 0]})"
+        )
+    if weight.shape[1] != num_key_value_heads * head_dim:
+        raise ValueError(f"weight {tuple(weight.shape)} is not [in, {num_key_value_heads}·{head_dim}]")
+    num_groups = num_key_value_heads // group_size
+    return weight.reshape(weight.shape[0], num_groups, group_size * head_dim).permute(1, 0, 2)
+
+
+def fold_values_into_o_proj(
+    o_weight: torch.Tensor, v_up: torch.Tensor, num_heads: int, num_key_value_heads: int, head_dim: int
+) -> torch.Tensor:
+    """
+    Fold each query head's slice of the value reconstruction into `o_proj` (spec Eq. 5): `W̃^o_h = B^v_{g,i} W^o_h`.
+
+    Args:
+        o_weight (`torch.Tensor` of shape `[D, num_heads · head_dim]`): `o_proj.weight`.
+        v_up (`torch.Tensor` of shape `[n_g, r_v, s · head_dim]`): value reconstruction `B^v` per group.
+        num_heads (`int`), num_key_value_heads (`int`), head_dim (`int`): the original attention's shape.
+
+    Returns:
+        `torch.Tensor` of shape `[D, num_heads · r_v]`, the new `o_proj.weight`: query head `h` reads KV head
+        `j = h // (num_heads / num_key_value_heads)`, which is head `i = j % s` of group `g = j // s`.
+    """
+    width = v_up.shape[-1]
+    group_size = width // head_dim
+    per_kv = num_heads // num_key_value_heads
+    blocks = []
+    for head in range(num_heads):
+        group, inner = divmod(head // per_kv, group_size)
+        b_head = v_up[group, :, inner * head_dim : (inner + 1) * head_dim]  # [r_v, d]
+        blocks.append(o_weight[:, head * head_dim : (head + 1) * head_dim] @ b_head.T)  # [D, r_v]
+    return torch.cat(blocks, dim=1)
+
+
+def uniform_group_ranks(width: int, kv_keep: float, multiple: int, num_layers: int) -> tuple[list[int], list[int]]:
+    """The same group rank for K and V of every layer: `kv_keep · width` rounded to `multiple` (at least `multiple`)."""
+    rank = min(width, max(multiple, multiple * round(kv_keep * width / multiple)))
+    return [rank] * num_layers, [rank] * num_layers
+
+
+def fisher_group_ranks(
+    scores: list[tuple[float, float]], width: int, num_groups: int, kv_keep: float, multiple: int
+) -> tuple[list[int], list[int]]:
+    """
+    Fisher-proportional group ranks: one budget over K and V of all layers (spec §2.4, `fisher_uniform`).
+
+    Targets are the K and V projections of every layer (full width `n_g · width`); each gets a share of
+    `kv_keep · Σ widths` proportional to its score, capped at full rank, and is split evenly over its groups
+    (equal rank per group). The budget is rounded to whole units of `n_g · multiple`, so it is met exactly.
+
+    Returns:
+        `(k_ranks, v_ranks)`: per layer, the rank of each group.
+    """
+    unit = num_groups * multiple
+    cap = num_groups * width - (num_groups * width) % unit
+    targets = [s for pair in scores for s in pair]
+    budget = unit * max(len(targets), round(kv_keep * len(targets) * num_groups * width / unit))
+    budget = min(budget, cap * len(targets))
+    ranks = allocate_fisher_ranks(targets, [cap] * len(targets), budget, unit)
+    group_ranks = [r // num_groups for r in ranks]
+    return group_ranks[0::2], group_ranks[1::2]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Factorization and model building
+
+
+def _check_model(model, group_size: int) -> None:
+    if getattr(model.config, "model_type", None) != "llama":
+        raise ValueError(f"Palu supports the llama model family, got {getattr(model.config, 'model_type', None)!r}")
+    if getattr(model.config, "attention_bias", False):
+        raise ValueError("Palu does not support attention biases (attention_bias=True)")
+    n_kv = model.config.num_key_value_heads
+    if n_kv % group_size:
+        raise ValueError(
+            f"group_size {group_size} must divide the model's {n_kv} key/value heads "
+            f"(choose one of {[s for s in range(1, n_kv + 1) if n_kv % s == 0]})"
+        )
+
+
+def factorize_groups(
+    weight: torch.Tensor,
+    moment: torch.Tensor | None,
+    num_key_value_heads: int,
+    head_dim: int,
+    group_size: int,
+    rank: int,
+    alpha: float = 0.05,
+    lam_frac: float = 1e-2,
+    scales=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Whitened SVD of every group of one projection, truncated to `rank` (float64).
+
+    Args:
+        weight (`torch.Tensor` of shape `[in, n_kv · d]`): `linear.weight.T`.
+        moment (`torch.Tensor` of shape `[in, in]`, *optional*): input second moment; `None` means plain SVD.
+        rank (`int`): per-group rank.
+        scales (`tuple`, *optional*): precomputed `(S, S⁻¹)` of the layer (shared by K and V).
+
+    Returns:
+        `(down [n_g, in, rank], up [n_g, rank, s·d])`, with `x @ down[g] @ up[g] ≈ x @ W_g` under the whitened norm.
+    """
+    if scales is None and moment is not None:
+        scales = symmetric_sqrt(shrink_moment(moment, alpha, lam_frac))
+    downs, ups = [], []
+    for group_weight in group_kv_weight(weight, num_key_value_heads, head_dim, group_size):
+        factors = factorize(group_weight, *scales) if scales is not None else factorize(group_weight)
+        down, up = factors.truncate(rank)
+        downs.append(down)
+        ups.append(up)
+    return torch.stack(downs), torch.stack(ups)
+
+
+def palu_config_from(model, group_size, k_ranks, v_ranks, conversion: PaluConversionConfig):
+    """The `PaluLlamaConfig` of a converted `model`: its config plus the Palu fields, `auto_map` and eager attention."""
+    from ..models.configuration_palu import PaluLlamaConfig
+
+    config_dict = model.config.to_dict()
+    for key in ("model_type", "architectures", "auto_map", "transformers_version"):
+        config_dict.pop(key, None)
+    config_dict.update(
+        palu_group_size=group_size,
+        palu_k_ranks=list(k_ranks),
+        palu_v_ranks=list(v_ranks),
+        palu_quant_bits=conversion.quant_bits,
+        palu_quant_group_size=conversion.quant_group_size,
+        palu_residual_length=conversion.residual_length,
+        palu_hadamard=conversion.hadamard,
+        palu_kernel_backend=conversion.kernel_backend,
+    )
+    config = PaluLlamaConfig.from_dict(config_dict)
+    config.architectures = ["PaluLlamaForCausalLM"]
+    config.auto_map = {
+        "AutoConfig": "configuration_palu.PaluLlamaConfig",
+        "AutoModelForCausalLM": "modeling_palu.PaluLlamaForCausalLM",
+    }
+    config._attn_implementation = "eager"  # the Palu kernels read additive masks
+    return config
+
+
+def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluConversionConfig):
+    """
+    Build the `PaluLlamaForCausalLM` from per-layer group factors; every other weight is copied from `model`.
+
+    Args:
+        model (`PreTrainedModel`): the original Llama model.
+        layer_factors (`list`): per layer `(k_down [n_g, in, r_k], k_up [n_g, r_k, s·d], v_down, v_up)`, float64.
+        k_ranks, v_ranks (`list[int]`): per-layer group ranks.
+        conversion ([`PaluConversionConfig`]): the options (Hadamard, quantization, kernels).
+    """
+    from ..kernels.hadamard import fold_hadamard_into_factors
+    from ..models.modeling_palu import PaluLlamaForCausalLM
+
+    config = palu_config_from(model, conversion.group_size, k_ranks, v_ranks, conversion)
+    palu = PaluLlamaForCausalLM(config)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith(("k_proj.weight", "v_proj.weight"))}
+    head_dim = palu.model.layers[0].self_attn.head_dim
+    for idx, (k_down, k_up, v_down, v_up) in enumerate(layer_factors):
+        if conversion.hadamard:  # A → A H, B → Hᵀ B per group (Eq. 7): unchanged outputs, flatter latents
+            k_down, k_up = fold_hadamard_into_factors(k_down, k_up)
+            v_down, v_up = fold_hadamard_into_factors(v_down, v_up)
+        prefix = f"model.layers.{idx}.self_attn."
+        state[prefix + "k_down.weight"] = torch.cat(list(k_down), dim=1).T  # [n_g·r_k, in]
+        state[prefix + "v_down.weight"] = torch.cat(list(v_down), dim=1).T  # [n_g·r_v, in]
+        state[prefix + "k_up"] = k_up
+        o_weight = state[prefix + "o_proj.weight"].double()
+        state[prefix + "o_proj.weight"] = fold_values_into_o_proj(
+            o_weight, v_up, config.num_attention_heads, config.num_key_value_heads, head_dim
+        )
+    dtype = next(model.parameters()).dtype
+    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"Palu conversion produced non-finite values in {name}; try a larger alpha")
+    palu.load_state_dict(state, strict=True)
+    return palu.to(next(model.parameters()).device).eval()
+
+
+def _read_calibration(model, tokenizer, calibration_text, conversion):
+    if not calibration_text:
+        raise ValueError("Palu needs calibration text (a non-empty string); pass --calib FILE")
+    return tokenize_calibration_text(
+        tokenizer, calibration_text, conversion.calib_samples, conversion.calib_seq_len, seed=conversion.seed
+    )
+
+
+def convert_palu(
+    model,
+    tokenizer,
+    kv_keep: float = 0.5,
+    group_size: int = 4,
+    ranks: str = "fisher",
+    quant_bits: int = 0,
+    hadamard: bool = True,
+    calibration_text: str | None = None,
+    calibration=None,
+    fisher_scores: list | None = None,
+    progress: bool = True,
+    **options,
+):
+    """
+    Convert a Llama-family causal LM to Palu (spec 002): grouped low-rank K/V that cache latents.
+
+    Args:
+        model (`PreTrainedModel`): the original model (not modified).
+        tokenizer (`PreTrainedTokenizerBase`): its tokenizer (for the calibration text).
+        kv_keep (`float`, *optional*, defaults to 0.5): fraction of the K+V cache width kept, in (0, 1].
+        group_size (`int`, *optional*, defaults to 4): KV heads per group (must divide `num_key_value_heads`).
+        ranks (`str`, *optional*, defaults to `"fisher"`): `"uniform"` or `"fisher"`.
+        quant_bits (`int`, *optional*, defaults to 0): 0, or 2/3/4-bit per-token quantized latents.
+        hadamard (`bool`, *optional*, defaults to `True`): fold a Walsh–Hadamard rotation into the factors.
+        calibration_text (`str`): text for the whitening moments (and the Fisher scores).
+        calibration ([`KvCalibration`], *optional*): moments from an earlier run (reused, not recollected).
+        fisher_scores (`list[tuple[float, float]]`, *optional*): per-layer Fisher scores from an earlier run.
+        progress (`bool`, *optional*, defaults to `True`): progress bars.
+        options: other fields of [`PaluConversionConfig`] (`rank_multiple`, `calib_samples`, `calib_seq_len`,
+            `fisher_samples`, `alpha`, `quant_group_size`, `residual_length`, `kernel_backend`, ...).
+
+    Returns:
+        `(palu_model, info)`: the converted model (eval mode) and a dict with the ranks, settings and timings.
+
+    Example:
+
+    ```python
+    >>> from hf_accel.loading import load_model_and_tokenizer
+    >>> model, tokenizer = load_model_and_tokenizer("smollm2-135m")
+    >>> palu, info = convert_palu(model, tokenizer, kv_keep=0.5, group_size=3, quant_bits=3,
+    ...                           calibration_text=open("tinyshakespeare.txt").read())
+    ```
+    """
+    conversion = PaluConversionConfig(
+        kv_keep=kv_keep, group_size=group_size, ranks=ranks, quant_bits=quant_bits, hadamard=hadamard, **options
+    )
+    _check_model(model, group_size)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_kv, num_layers = cfg.num_key_value_heads, cfg.num_hidden_layers
+    num_groups, width = n_kv // group_size, group_size * head_dim
+    if conversion.rank_multiple > width:
+        raise ValueError(f"rank_multiple {conversion.rank_multiple} exceeds the group width {width}")
+    start = time.perf_counter()
+    input_ids = None
+    if calibration is None or (conversion.ranks == "fisher" and fisher_scores is None):
+        input_ids = _read_calibration(model, tokenizer, calibration_text, conversion)
+    if calibration is None:
+        calibration = collect_kv_calibration(model, input_ids, progress=progress)
+    timings = {"calibration_s": time.perf_counter() - start}
+    scores = None
+    if conversion.ranks == "fisher":
+        start = time.perf_counter()
+        scores = fisher_scores
+        if scores is None:
+            scores = collect_fisher_scores(model, input_ids[: conversion.fisher_samples], progress=progress)
+        k_ranks, v_ranks = fisher_group_ranks(scores, width, num_groups, kv_keep, conversion.rank_multiple)
+        timings["fisher_s"] = time.perf_counter() - start
+    else:
+        k_ranks, v_ranks = uniform_group_ranks(width, kv_keep, conversion.rank_multiple, num_layers)
+    start = time.perf_counter()
+    layer_factors = []
+    all_scales = _layer_scales(calibration, conversion.alpha, conversion.lam_frac)
+    for idx, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        scales = all_scales[idx]
+        common = {
+            "num_key_value_heads": n_kv,
+            "head_dim": head_dim,
+            "group_size": group_size,
+            "scales": scales,
+            "moment": None,
+        }
+        k_down, k_up = factorize_groups(attn.k_proj.weight.detach().T, rank=k_ranks[idx], **common)
+        v_down, v_up = factorize_groups(attn.v_proj.weight.detach().T, rank=v_ranks[idx], **common)
+        layer_factors.append((k_down, k_up, v_down, v_up))
+    palu = build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion)
+    timings["factorization_s"] = time.perf_counter() - start
+    total_width = 2 * num_layers * n_kv * head_dim
+    info = {
+        "method": "palu",
+        "settings": asdict(conversion),
+        "grouping": describe_grouping(cfg.num_attention_heads, n_kv, group_size),
+        "k_ranks": k_ranks,
+        "v_ranks": v_ranks,
+        "kv_keep_achieved": num_groups * (sum(k_ranks) + sum(v_ranks)) / total_width,
+        "fisher_scores": scores,
+        "calibration_tokens": calibration.tokens,
+        "cache_bytes_per_token": expected_cache_bytes_per_token(palu.config),
+        "base_cache_bytes_per_token": total_width * 2,  # float16 keys and values
+        "timings": timings,
+    }
+    return palu, info
+
+
+def _layer_scales(calibration, alpha: float, lam_frac: float) -> list:
+    """Per layer `(S, S⁻¹)` with `S = √C_λ`, cached on the calibration: conversions that share it skip the eigh."""
+    key = ("palu_scales", alpha, lam_frac)
+    if key not in calibration.meta:
+        calibration.meta[key] = [symmetric_sqrt(shrink_moment(m, alpha, lam_frac)) for m in calibration.moments]
+    return calibration.meta[key]
+
+
+def describe_grouping(num_heads: int, num_key_value_heads: int, group_size: int) -> str:
+    """One sentence for the model card: how KV heads are grouped and which query heads read each group."""
+    num_groups = num_key_value_heads // group_size
+    per_kv = num_heads // num_key_value_heads
+    kind = "M-LRD" if group_size == 1 else ("J-LRD" if group_size == num_key_value_heads else "G-LRD")
+    return (
+        f"{kind}: the {num_key_value_heads} key/value heads form {num_groups} group(s) of {group_size} consecutive "
+        f"KV heads (group g = KV heads [g·{group_size}, (g+1)·{group_size})); each group caches one key latent and one "
+        f"value latent, read by its {group_size * per_kv} query heads (GQA: {per_kv} query heads per KV head)."
+    )
+
+
+def expected_cache_bytes_per_token(config, float_bytes: int = 2) -> float:
+    """Cache bytes per token from the ranks: float latents (`float_bytes` each) or packed codes + scales + zeros."""
+    from ..kernels.quant import compute_bytes_per_token
+
+    num_groups = config.num_key_value_heads // config.palu_group_size
+    total = 0
+    for r_k, r_v in zip(config.palu_k_ranks, config.palu_v_ranks):
+        for rank in (r_k, r_v):
+            if config.palu_quant_bits:
+                total += num_groups * compute_bytes_per_token(
+                    rank, config.palu_quant_bits, config.palu_quant_group_size
+                )
+            else:
+                total += num_groups * rank * float_bytes
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Saving: a self-contained trust_remote_code checkpoint
+
+
+_KERNEL_SOURCES = ("quant.py", "reference.py", "registry.py", "cache.py")
+_KERNEL_REGISTRATION = """
+
+# ---- registration (as hf_accel/kernels/__init__.py) ----
+def _eager_loader(name):
+    return lambda: globals()[name]
+
+
+def _missing_triton(*args, **kwargs):
+    raise ImportError("The 'triton' Palu kernels need `pip install 'hf-accel[triton]'`; or use the 'eager' backend.")
+
+
+for _name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
+    register_kernel(_name, "eager", _eager_loader(_name))
+    register_kernel(_name, "triton", lambda: _missing_triton)
+
+try:  # with hf_accel installed, its kernels (Triton included) and cache classes replace the copies above
+    from hf_accel.kernels import get_kernel  # noqa: F811
+    from hf_accel.kernels.cache import PaluQuantizedCache, PaluQuantizedLayer  # noqa: F811
+except ImportError:
+    pass
+"""
+
+
+def write_palu_kernels_file(path: str | Path) -> Path:
+    """
+    Write a self-contained `palu_kernels.py` for a checkpoint: the sources of `hf_accel/kernels/{quant, reference,
+    registry, cache}.py` in one flat module (their relative imports dropped) plus the eager registration. Where
+    hf_accel is installed, the file uses hf_accel's own kernels and cache instead (and so its Triton backend).
+    """
+    kernels_dir = Path(__file__).resolve().parents[1] / "kernels"
+    parts = ['"""Palu kernels and quantized cache, copied from hf_accel.kernels by the Palu converter."""\n']
+    for name in _KERNEL_SOURCES:
+        source = (kernels_dir / name).read_text(encoding="utf-8")
+        if re.search(r"^\s*from \.\w* import \($", source, flags=re.MULTILINE):
+            raise RuntimeError(f"hf_accel/kernels/{name} has a multi-line relative import; flatten it")
+        # the names come from the modules above, now in the same file
+        source = re.sub(
+            r"^(\s*)from \.(\w*) import .*$", r"\1pass  # (flattened: from .\2 import ...)", source, flags=re.MULTILINE
+        )
+        parts.append(f"\n# ---- from hf_accel/kernels/{name} ----\n{source}")
+    path = Path(path)
+    path.write_text("".join(parts) + _KERNEL_REGISTRATION, encoding="utf-8")
+    return path
+
+
+def save_palu(
+    palu_model, tokenizer, out_dir: str | Path, info: dict, base_model: str, overwrite: bool = False
+) -> Path:
+    """
+    Save a converted model as a Hub-ready directory, atomically (temporary directory, then rename).
+
+    Writes safetensors, config (with `auto_map`), the remote code (`configuration_palu.py`, `modeling_palu.py`,
+    a self-contained `palu_kernels.py`), the tokenizer, `palu_ranks.json` and a model card that says how KV heads are
+    grouped.
+
+    Args:
+        palu_model: the converted model. tokenizer: its tokenizer. out_dir: the directory to create.
+        info (`dict`): what [`convert_palu`] returned. base_model (`str`): Hub id or alias of the original.
+        overwrite (`bool`, *optional*, defaults to `False`): replace an existing `out_dir`.
+    """
+    import json
+
+    from ..hub import save_artifact
+
+    out = Path(out_dir)
+    if out.exists() and not overwrite and any(out.iterdir()):
+        raise ValueError(f"output directory {out} exists and is not empty; choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        write_palu_kernels_file(tmp / "palu_kernels.py")  # before save_artifact: it keeps files already there
+        (tmp / "palu_ranks.json").write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
+        settings = {k: info["settings"][k] for k in ("kv_keep", "group_size", "ranks", "quant_bits", "hadamard")}
+        settings.update(kv_keep_achieved=round(info["kv_keep_achieved"], 4), grouping=info["grouping"])
+        save_artifact(
+            tmp,
+            "converted-model",
+            base_model,
+            model=palu_model,
+            tokenizer=tokenizer,
+            description="Palu: grouped low-rank K/V projections; the cache stores per-group latents. "
+            + info["grouping"],
+            settings=settings,
+            kv_bytes_per_token=info["cache_bytes_per_token"],
+            base_kv_bytes_per_token=info["base_cache_bytes_per_token"],
+            papers=[_PAPER],
+        )
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI: `hf-accel convert palu`
+
+
+def add_palu_parser(convert_commands) -> None:
+    """Add the `palu` subcommand to the `convert` command's subparsers."""
+    parser = convert_commands.add_parser("palu", help="Palu: grouped low-rank K/V latents, Fisher ranks, low-bit")
+    parser.add_argument("--model", default="smollm2-135m", help="Hub id, local directory or smollm2-135m")
+    parser.add_argument("--kv-keep", type=float, required=True, help="fraction of the K+V cache width kept, (0, 1]")
+    parser.add_argument("--group-size", type=int, default=4, help="KV heads per group (must divide the KV heads)")
+    parser.add_argument("--ranks", choices=RANK_METHODS, default="fisher")
+    parser.add_argument("--quant-bits", type=int, choices=QUANT_BITS, default=0)
+    parser.add_argument("--no-hadamard", action="store_true", help="do not fold the Walsh–Hadamard rotation")
+    parser.add_argument("--calib", required=True, help="calibration text file, or hf:<dataset>[:<config>]")
+    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--calib-seq-len", type=int, default=256)
+    parser.add_argument("--fisher-samples", type=int, default=16)
+    parser.add_argument("--rank-multiple", type=int, default=8)
+    parser.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
+    parser.add_argument("--out", required=True, help="output directory (written atomically)")
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=_run_convert_palu)
+
+
+def _card_base_model(name: str) -> str:
+    from ..hub import hub_base_model
+
+    try:
+        return hub_base_model(name)
+    except ValueError:
+        raise ValueError(
+            f"the model card needs the Hub id of the original model, not {name!r}; pass --base-model ORG/NAME"
+        )
+
+
+def _run_convert_palu(args) -> int:
+    from ..cli import print_json
+    from ..loading import load_model_and_tokenizer
+
+    # Validate everything cheap before loading the model
+    PaluConversionConfig(
+        kv_keep=args.kv_keep,
+        group_size=args.group_size,
+        ranks=args.ranks,
+        quant_bits=args.quant_bits,
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        fisher_samples=args.fisher_samples,
+        rank_multiple=args.rank_multiple,
+    )
+    if not args.calib.startswith("hf:") and not Path(args.calib).is_file():
+        raise FileNotFoundError(f"calibration text not found: {args.calib}")
+    base_model = _card_base_model(args.base_model or args.model)
+    out = Path(args.out)
+    if out.exists() and not args.overwrite and any(out.iterdir()):
+        raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    palu, info = convert_palu(
+        model,
+        tokenizer,
+        kv_keep=args.kv_keep,
+        group_size=args.group_size,
+        ranks=args.ranks,
+        quant_bits=args.quant_bits,
+        hadamard=not args.no_hadamard,
+        calibration_text=load_calibration_text(args.calib),
+        progress=not args.json,
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        fisher_samples=args.fisher_samples,
+        rank_multiple=args.rank_multiple,
+    )
+    save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
+    summary = {
+        "model": args.model,
+        "out": str(out),
+        "kv_keep": args.kv_keep,
+        "kv_keep_achieved": info["kv_keep_achieved"],
+        "group_size": args.group_size,
+        "ranks": args.ranks,
+        "quant_bits": args.quant_bits,
+        "hadamard": not args.no_hadamard,
+        "k_ranks": info["k_ranks"],
+        "v_ranks": info["v_ranks"],
+        "cache_bytes_per_token": info["cache_bytes_per_token"],
+        "base_cache_bytes_per_token": info["base_cache_bytes_per_token"],
+        "timings": info["timings"],
+    }
+    if args.json:
+        print_json(summary)
+    else:
+        for key, value in summary.items():
+            print(f"{key:>28}: {value}")
+    return 0
+
+
+def add_cli(commands) -> None:
+    """Register `convert palu` in the `convert` group that [`hf_accel.compress.cli.add_cli`] created."""
+    convert = commands.choices.get("convert")
+    if convert is None:
+        raise RuntimeError("register the `convert` command group (hf_accel.compress.cli.add_cli) before Palu's")
+    add_palu_parser(convert._convert_subcommands)

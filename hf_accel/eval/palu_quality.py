@@ -1,0 +1,193 @@
+"""Quality and cache-size benchmark of Palu conversions (issue 4's README table), as a library function.
+
+For every group size × rank allocation × kv-keep, the model is converted once with and once without the Hadamard
+rotation (calibration moments and Fisher scores are collected once and shared), and each conversion is evaluated
+unquantized and at every requested bit width (the bit width is a runtime setting of the converted model). Every row
+reports perplexity on held-out text (and on held-out model-generated text when asked) and the **measured** cache
+bytes per token: the bytes held by the cache after a short prefill, divided by the tokens cached. Float caches are
+measured with the model in bfloat16 (2-byte latents, like the fp16 baseline); quantized caches hold packed codes plus
+float16 scales and zero-points whatever the model dtype.
+"""
+
+import copy
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .perplexity import compute_perplexity
+
+
+@dataclass
+class PaluBenchConfig:
+    group_sizes: tuple = (1, 3)
+    rank_methods: tuple = ("uniform", "fisher")
+    kv_keeps: tuple = (0.75, 0.5)
+    bits: tuple = (2, 3, 4)
+    no_hadamard_bits: tuple = (2, 3, 4)  # bit widths also measured without the Hadamard rotation
+    calib_samples: int = 32
+    calib_seq_len: int = 256
+    fisher_samples: int = 8
+    rank_multiple: int = 8
+    eval_tokens: int = 8192
+    eval_seq_len: int = 256
+    generated_samples: int = 0  # held-out model-generated sequences (0: skip)
+    generated_seq_len: int = 256
+    seed: int = 3
+    extra: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4) -> float:
+    """Perplexity over rows of token ids (each row scored alone, no padding)."""
+    total, count = 0.0, 0
+    for start in range(0, len(input_ids), batch_size):
+        ids = input_ids[start : start + batch_size]
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        total += F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).double(), ids[:, 1:].reshape(-1), reduction="sum"
+        ).item()
+        count += ids[:, 1:].numel()
+    return math.exp(total / count)
+
+
+@torch.no_grad()
+def measure_cache_bytes_per_token(model, input_ids: torch.Tensor) -> float:
+    """Bytes the model's cache holds after a prefill of `input_ids`, per cached token (batch × length)."""
+    from ..models.modeling_palu import cache_bytes, make_palu_cache
+
+    quantized = bool(getattr(model.config, "palu_quant_bits", 0))
+    measured = model if quantized else copy.deepcopy(model).to(torch.bfloat16)
+    if hasattr(model.config, "palu_k_ranks"):
+        cache = make_palu_cache(measured.config)
+    else:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=measured.config)
+    measured(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    return cache_bytes(cache) / input_ids.numel()
+
+
+def _evaluate(model, tokenizer, held_out: str, generated, config: PaluBenchConfig, probe_ids) -> dict:
+    start = time.perf_counter()
+    row = {
+        "ppl_text": compute_perplexity(
+            model, tokenizer, held_out, seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, progress=False
+        )["ppl"]
+    }
+    if generated is not None:
+        row["ppl_generated"] = perplexity_on_ids(model, generated)
+    row["cache_bytes_per_token"] = measure_cache_bytes_per_token(model, probe_ids)
+    row["eval_s"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def run_palu_quality_benchmark(
+    model,
+    tokenizer,
+    calibration_text: str,
+    held_out_text: str,
+    config: PaluBenchConfig | None = None,
+    progress: bool = True,
+) -> dict:
+    """
+    Convert and evaluate every configuration of `config`; returns `{"base": row, "rows": [row, ...], "settings"}`.
+
+    Args:
+        model, tokenizer: the original model (float32) and its tokenizer.
+        calibration_text (`str`): text for the whitening moments and Fisher scores.
+        held_out_text (`str`): evaluation text, disjoint from the calibration text.
+        config ([`PaluBenchConfig`], *optional*): the grid and sizes.
+    """
+    from ..compress.calibration import collect_kv_calibration, generate_calibration_ids, tokenize_calibration_text
+    from ..compress.fisher import collect_fisher_scores
+    from ..compress.palu import convert_palu
+
+    config = config or PaluBenchConfig()
+    timings = {}
+    start = time.perf_counter()
+    ids = tokenize_calibration_text(
+        tokenizer, calibration_text, config.calib_samples, config.calib_seq_len, seed=config.seed
+    )
+    calibration = collect_kv_calibration(model, ids, progress=progress)
+    timings["calibration_s"] = round(time.perf_counter() - start, 1)
+    start = time.perf_counter()
+    fisher = collect_fisher_scores(model, ids[: config.fisher_samples], progress=progress)
+    timings["fisher_s"] = round(time.perf_counter() - start, 1)
+    generated = None
+    if config.generated_samples:
+        start = time.perf_counter()
+        # a seed unlike the calibration's: held-out samples of the model's own text
+        generated, _ = generate_calibration_ids(
+            model,
+            tokenizer,
+            config.generated_samples,
+            config.generated_seq_len,
+            seed=config.seed + 1000,
+            progress=progress,
+        )
+        timings["generation_s"] = round(time.perf_counter() - start, 1)
+    probe_ids = ids[:2, :64]
+    base = _evaluate(model, tokenizer, held_out_text, generated, config, probe_ids)
+    if progress:
+        tqdm.write(json.dumps({"base": base, **timings}), file=sys.stderr)
+    rows = []
+    grid = [(g, r, k) for g in config.group_sizes for r in config.rank_methods for k in config.kv_keeps]
+    for group_size, ranks, kv_keep in tqdm(grid, desc="palu configs", disable=not progress):
+        for hadamard in (True, False):
+            bits_list = ([0] if hadamard else []) + list(config.bits if hadamard else config.no_hadamard_bits)
+            if not bits_list:
+                continue
+            palu, info = convert_palu(
+                model,
+                tokenizer,
+                kv_keep=kv_keep,
+                group_size=group_size,
+                ranks=ranks,
+                hadamard=hadamard,
+                calibration=calibration,
+                fisher_scores=fisher,
+                rank_multiple=config.rank_multiple,
+                progress=False,
+            )
+            for bits in bits_list:
+                palu.config.palu_quant_bits = bits  # a runtime setting: same factors, other cache
+                row = {
+                    "group_size": group_size,
+                    "ranks": ranks,
+                    "kv_keep": kv_keep,
+                    "kv_keep_achieved": round(info["kv_keep_achieved"], 4),
+                    "hadamard": hadamard,
+                    "bits": bits,
+                }
+                row.update(_evaluate(palu, tokenizer, held_out_text, generated, config, probe_ids))
+                rows.append(row)
+                if progress:
+                    tqdm.write(json.dumps(row), file=sys.stderr)
+    settings = {k: v for k, v in vars(config).items() if k != "extra"}
+    return {"base": base, "rows": rows, "timings": timings, "settings": settings}
+
+
+def format_palu_table(report: dict) -> str:
+    """A Markdown table of [`run_palu_quality_benchmark`]'s report."""
+    base = report["base"]
+    has_gen = "ppl_generated" in base
+    head = "| gs | ranks | kv-keep | WHT | bits | ppl text | ×orig |" + (" ppl generated | ×orig |" if has_gen else "")
+    head += " cache B/token | ×fp16 |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    fmt = lambda r: (
+        f" {r['ppl_text']:.2f} | {r['ppl_text'] / base['ppl_text']:.3f} |"
+        + (f" {r['ppl_generated']:.2f} | {r['ppl_generated'] / base['ppl_generated']:.3f} |" if has_gen else "")
+        + f" {r['cache_bytes_per_token']:.0f} | {r['cache_bytes_per_token'] / base['cache_bytes_per_token']:.4f} |"
+    )
+    lines.append("| original | | 1.0 | | 16 |" + fmt(base))
+    for r in report["rows"]:
+        wht = "yes" if r["hadamard"] else "no"
+        bits = r["bits"] or 16
+        lines.append(f"| {r['group_size']} | {r['ranks']} | {r['kv_keep']} | {wht} | {bits} |" + fmt(r))
+    return "\n".join(lines)

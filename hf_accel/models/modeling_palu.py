@@ -1,0 +1,199 @@
+"""Palu-converted causal LMs: grouped low-rank K/V projections that cache latents (spec 002, issue 4).
+
+Each layer's key/value heads are split into `n_g = num_key_value_heads / s` groups of `s` consecutive heads (G-LRD;
+`s = 1` is M-LRD, `s = num_key_value_heads` is J-LRD). `k_proj`/`v_proj` become down-projections to one latent per
+group (`k_down: D → n_g·r_k`, `v_down: D → n_g·r_v`). The cache stores only the latents, one "head" per group:
+`keys [B, n_g, S, r_k]` and `values [B, n_g, S, r_v]`, in an ordinary cache layer (DeepSeek-V3's trick) or, with
+`palu_quant_bits > 0`, packed low-bit in a `PaluQuantizedCache` (each token quantized once).
+
+- Keys: the per-group reconstruction `k_up [n_g, r_k, s·d]` rebuilds the pre-RoPE keys, which are RoPE'd at their
+  absolute positions inside the `rope_key_scores` kernel (reconstruct-then-RoPE, spec §2.3 / §3.1).
+- Values: the reconstruction is folded into `o_proj` offline (Eq. 5), so attention returns `p · H^v` per head
+  `[B, H, q, r_v]` and `o_proj` maps `H·r_v → D`.
+
+Kernels come from the registry (`palu_kernel_backend`: `"eager"` plain torch, `"triton"`). Positions of cached keys:
+cached tokens are contiguous and end right before the first new token, so cached index `j` of `past_len` has position
+`position_ids[:, 0] − past_len + j` (what `generate`, left padding and tree verification with explicit positions
+give). This file is copied into converted checkpoints and imports only from torch, transformers and its siblings.
+"""
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaRotaryEmbedding,
+    rotate_half,
+)
+
+from .configuration_palu import PaluLlamaConfig
+from .palu_kernels import PaluQuantizedCache, PaluQuantizedLayer, get_kernel
+
+
+def _key_positions(position_ids, past_len: int, q_len: int, batch: int, device) -> torch.Tensor:
+    """Positions of all keys `[B, past_len + q_len]`: the cache is contiguous up to the first new token."""
+    if position_ids is None:
+        return torch.arange(past_len + q_len, device=device)[None].expand(batch, -1)
+    past = position_ids[:, :1] - past_len + torch.arange(past_len, device=device)[None]  # [B or 1, past_len]
+    return torch.cat([past, position_ids], dim=-1).expand(batch, -1)
+
+
+def _masked_softmax(scores: torch.Tensor, attention_mask, past_len: int) -> torch.Tensor:
+    # scores [B, H, q, S] float32; attention_mask additive float or boolean (True = attend), [B, 1, q, ≥S], or None
+    q_len, total = scores.shape[-2:]
+    if attention_mask is None:
+        if q_len > 1:  # causal: query i (position past_len + i) sees keys 0..past_len + i
+            keep = (
+                torch.arange(total, device=scores.device)[None]
+                <= past_len + torch.arange(q_len, device=scores.device)[:, None]
+            )
+            scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+    elif attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask[..., :total], torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + attention_mask[..., :total].float()
+    return torch.softmax(scores, dim=-1)
+
+
+class PaluAttentionMixin:
+    """Latent grouped K/V for a family's attention class; put it first in the bases."""
+
+    rotary_class: type = LlamaRotaryEmbedding
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        hidden = self.q_proj.in_features
+        self.group_size = config.palu_group_size
+        self.num_groups = config.num_key_value_heads // self.group_size
+        self.rank_k, self.rank_v = config.palu_k_ranks[layer_idx], config.palu_v_ranks[layer_idx]
+        # diff with LlamaAttention: k_proj / v_proj → grouped latent down-projections A^k, A^v (all groups stacked)
+        del self.k_proj, self.v_proj
+        self.k_down = nn.Linear(hidden, self.num_groups * self.rank_k, bias=False)
+        self.v_down = nn.Linear(hidden, self.num_groups * self.rank_v, bias=False)
+        # B^k per group (row-vector form): latent [.., r_k] @ k_up[g] → the group's s pre-RoPE key heads [.., s·d]
+        self.k_up = nn.Parameter(torch.zeros(self.num_groups, self.rank_k, self.group_size * self.head_dim))
+        # diff with LlamaAttention: B^v folded into o_proj per query head (Eq. 5): [B, S, H·r_v] → [B, S, D]
+        self.o_proj = nn.Linear(config.num_attention_heads * self.rank_v, hidden, bias=config.attention_bias)
+        # Keys are RoPE'd after reconstruction, at cached positions: the kernel needs inv_freq
+        self.rotary_emb = self.rotary_class(config=config)
+
+    def _new_quantized_layer(self) -> PaluQuantizedLayer:
+        config = self.config
+        return PaluQuantizedLayer(config.palu_quant_bits, config.palu_quant_group_size, config.palu_residual_length)
+
+    def _quantized_layer(self, past_key_values) -> PaluQuantizedLayer:
+        if past_key_values is None:  # no cache (e.g. perplexity): a scratch layer quantizes exactly as a cache would
+            return self._new_quantized_layer()
+        layers = past_key_values.layers
+        while len(layers) <= self.layer_idx:  # a cache that builds its layers lazily
+            layers.append(self._new_quantized_layer())
+        if not isinstance(layers[self.layer_idx], PaluQuantizedLayer):
+            if layers[self.layer_idx].get_seq_length() > 0:
+                raise ValueError(
+                    "This Palu model quantizes its latents but got a cache that already holds float entries; pass a "
+                    "`PaluQuantizedCache` (or no cache) instead."
+                )
+            layers[self.layer_idx] = self._new_quantized_layer()
+        return layers[self.layer_idx]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        position_ids: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        bsz, q_len, _ = hidden_states.shape
+        query_states = self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)  # [B, H, q, d]
+        cos, sin = position_embeddings
+        query_states = query_states * cos.unsqueeze(1) + rotate_half(query_states) * sin.unsqueeze(1)
+
+        # diff with LlamaAttention: the cache stores the latents, one "head" per group: [B, n_g, q, r]
+        latent_k = self.k_down(hidden_states).view(bsz, q_len, self.num_groups, self.rank_k).transpose(1, 2)
+        latent_v = self.v_down(hidden_states).view(bsz, q_len, self.num_groups, self.rank_v).transpose(1, 2)
+        backend = self.config.palu_kernel_backend
+        rope = {"attention_scaling": self.rotary_emb.attention_scaling, "scaling": self.scaling}
+        inv_freq = self.rotary_emb.inv_freq
+
+        if self.config.palu_quant_bits:
+            layer = self._quantized_layer(past_key_values)
+            past_len = layer.get_seq_length()
+            layer.append(latent_k, latent_v)  # each new token is quantized once
+            positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device)
+            scores = layer.key_scores(query_states, self.k_up, positions, inv_freq, backend=backend, **rope)
+            probs = _masked_softmax(scores, attention_mask, past_len)
+            attn_output = layer.attend_values(probs, backend=backend)  # [B, H, q, r_v]
+        else:
+            past_len = 0
+            if past_key_values is not None:
+                past_len = past_key_values.get_seq_length(self.layer_idx)
+                latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
+            positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device)
+            kernel = get_kernel("rope_key_scores", backend)
+            scores = kernel(query_states, latent_k, self.k_up, positions, inv_freq, **rope)  # [B, H, q, S]
+            probs = _masked_softmax(scores, attention_mask, past_len)
+            total = probs.shape[-1]
+            grouped = probs.reshape(bsz, self.num_groups, -1, total)  # [B, n_g, H/n_g · q, S]
+            attn_output = (grouped @ latent_v.float()).view(bsz, -1, q_len, self.rank_v)  # [B, H, q, r_v]
+
+        attn_output = attn_output.to(hidden_states.dtype).transpose(1, 2).reshape(bsz, q_len, -1)  # [B, q, H·r_v]
+        return self.o_proj(attn_output), None
+
+
+class PaluLlamaAttention(PaluAttentionMixin, LlamaAttention):
+    rotary_class = LlamaRotaryEmbedding
+
+
+class PaluLlamaForCausalLM(LlamaForCausalLM):
+    config_class = PaluLlamaConfig
+    # Scores are computed by the Palu kernels, which read transformers' eager (additive) masks
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+
+    def __init__(self, config: PaluLlamaConfig):
+        super().__init__(config)
+        for idx, layer in enumerate(self.model.layers):
+            layer.self_attn = PaluLlamaAttention(config, idx)  # diff with LlamaForCausalLM
+        self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        # diff with LlamaForCausalLM: a quantized Palu model decodes into a PaluQuantizedCache
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if (
+            self.config.palu_quant_bits
+            and type(cache) is DynamicCache
+            and not getattr(cache, "_is_user_defined", False)
+        ):
+            model_kwargs["past_key_values"] = make_palu_cache(self.config)
+
+
+def make_palu_cache(config):
+    """The cache a Palu model decodes into: a `DynamicCache` of float latents, or a `PaluQuantizedCache`."""
+    if not config.palu_quant_bits:
+        return DynamicCache(config=config)
+    return PaluQuantizedCache(
+        config, config.palu_quant_bits, config.palu_quant_group_size, config.palu_residual_length
+    )
+
+
+def cache_bytes(past_key_values) -> int:
+    """True bytes held by a Palu cache: packed codes, scales and zeros, windows, or float latents."""
+    if hasattr(past_key_values, "get_cache_bytes"):
+        return past_key_values.get_cache_bytes()
+    total = 0
+    for layer in past_key_values.layers:
+        if hasattr(layer, "get_cache_bytes"):
+            total += layer.get_cache_bytes()
+            continue
+        for tensor in (layer.keys, layer.values):
+            if torch.is_tensor(tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+__all__ = ["PaluLlamaForCausalLM", "cache_bytes", "make_palu_cache"]

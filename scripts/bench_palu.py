@@ -1,0 +1,82 @@
+"""Palu on the default model: perplexity and measured KV-cache bytes per token over a grid of conversions.
+
+    python scripts/bench_palu.py                      # human table (Markdown)
+    python scripts/bench_palu.py --json               # one JSON object
+    python scripts/bench_palu.py --group-sizes 3 --kv-keeps 0.5 --eval-tokens 4096
+
+Calibration: the first 90 % of tinyshakespeare (random windows); evaluation: its last 10 % (held out), and with
+`--generated-samples N` also N held-out sequences sampled from the original model. Grid: group sizes × uniform/Fisher
+ranks × kv-keep, each unquantized and at 2/3/4 bits, with and without the Walsh–Hadamard rotation.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hf_accel.eval.palu_quality import PaluBenchConfig, format_palu_table, run_palu_quality_benchmark
+from hf_accel.loading import load_model_and_tokenizer
+
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    d = PaluBenchConfig()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--text", default=str(SHAKESPEARE), help="text file: calibration 90 %%, evaluation 10 %%")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--group-sizes", type=int, nargs="+", default=list(d.group_sizes))
+    parser.add_argument("--ranks", nargs="+", default=list(d.rank_methods), choices=["uniform", "fisher"])
+    parser.add_argument("--kv-keeps", type=float, nargs="+", default=list(d.kv_keeps))
+    parser.add_argument("--bits", type=int, nargs="*", default=list(d.bits))
+    parser.add_argument("--no-hadamard-bits", type=int, nargs="*", default=list(d.no_hadamard_bits))
+    for name in (
+        "calib_samples",
+        "calib_seq_len",
+        "fisher_samples",
+        "rank_multiple",
+        "eval_tokens",
+        "eval_seq_len",
+        "generated_samples",
+        "generated_seq_len",
+        "seed",
+    ):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    text = Path(args.text).read_text(encoding="utf-8")
+    split = int(0.9 * len(text))
+    config = PaluBenchConfig(
+        group_sizes=tuple(args.group_sizes),
+        rank_methods=tuple(args.ranks),
+        kv_keeps=tuple(args.kv_keeps),
+        bits=tuple(args.bits),
+        no_hadamard_bits=tuple(args.no_hadamard_bits),
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        fisher_samples=args.fisher_samples,
+        rank_multiple=args.rank_multiple,
+        eval_tokens=args.eval_tokens,
+        eval_seq_len=args.eval_seq_len,
+        generated_samples=args.generated_samples,
+        generated_seq_len=args.generated_seq_len,
+        seed=args.seed,
+    )
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    report = run_palu_quality_benchmark(model, tokenizer, text[:split], text[split:], config, progress=not args.json)
+    report["model"] = args.model
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_palu_table(report))
+        print(json.dumps({"timings": report["timings"], "settings": report["settings"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

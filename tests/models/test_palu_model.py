@@ -1,0 +1,203 @@
+"""The Palu trust_remote_code model (issue 4): generate with batch > 1, cache rollback, cache bytes, fresh-process load."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_accel.compress.palu import convert_palu, expected_cache_bytes_per_token, save_palu
+from hf_accel.kernels import is_triton_available
+from hf_accel.kernels.cache import PaluQuantizedCache
+from hf_accel.kernels.quant import compute_bytes_per_token
+from hf_accel.models.modeling_palu import cache_bytes, make_palu_cache
+from tests.compress.test_palu import CALIB_TEXT, FAST, TINY
+from tests.conftest import make_tiny_llama
+from tests.tiny_checkpoints import make_char_tokenizer
+
+
+require_triton = pytest.mark.skipif(not is_triton_available(), reason="needs the optional `triton` package")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_char_tokenizer()
+
+
+@pytest.fixture(scope="module", params=[0, 3], ids=["float", "3bit"])
+def palu(request, tokenizer):
+    model = make_tiny_llama(**TINY)
+    converted, _ = convert_palu(
+        model,
+        tokenizer,
+        kv_keep=0.5,
+        group_size=2,
+        ranks="fisher",
+        quant_bits=request.param,
+        calibration_text=CALIB_TEXT,
+        **FAST,
+    )
+    return converted
+
+
+def _ids(batch, length, seed=0):
+    return torch.randint(4, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_generate_batch_rows_equal_single_runs(palu):
+    prompts = [_ids(1, 9, seed=1)[0], _ids(1, 5, seed=2)[0]]
+    # left padding, as transformers' generate expects for decoder-only models
+    input_ids = torch.zeros(2, 9, dtype=torch.long)
+    attention_mask = torch.zeros(2, 9, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, 9 - len(prompt) :] = prompt
+        attention_mask[row, 9 - len(prompt) :] = 1
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    batched = palu.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)[:, 9:]
+    for row, prompt in enumerate(prompts):
+        single = palu.generate(
+            input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs
+        )[:, len(prompt) :]
+        assert torch.equal(batched[row], single[0])
+
+
+def _decode_logits(model, cache, tokens, start):
+    logits = []
+    for i, token in enumerate(tokens):
+        out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=torch.tensor([[start + i]]))
+        logits.append(out.logits[0, -1])
+    return torch.stack(logits)
+
+
+@torch.no_grad()
+def test_crop_continues_decoding_identically(palu):
+    prompt, tokens = _ids(1, 10), _ids(1, 4, seed=3)[0]
+    cache = make_palu_cache(palu.config)
+    palu(input_ids=prompt, past_key_values=cache)
+    expected = _decode_logits(palu, cache, tokens, 10)
+    # a rejected draft: three junk tokens in one pass, then cropped away
+    cache = make_palu_cache(palu.config)
+    palu(input_ids=prompt, past_key_values=cache)
+    palu(input_ids=_ids(1, 3, seed=4), past_key_values=cache)
+    cache.crop(-3)  # transformers 5: a negative count removes that many tokens
+    assert cache.get_seq_length() == 10
+    torch.testing.assert_close(_decode_logits(palu, cache, tokens, 10), expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_select_positions_after_tree_verification(palu):
+    prompt, tokens = _ids(1, 8), _ids(1, 3, seed=5)[0]
+    cache = make_palu_cache(palu.config)
+    palu(input_ids=prompt, past_key_values=cache)
+    expected = _decode_logits(palu, cache, tokens, 8)
+    # two sibling draft nodes [junk, tokens[0]] at the same position 8; the second must not see the first
+    cache = make_palu_cache(palu.config)
+    palu(input_ids=prompt, past_key_values=cache)
+    mask = torch.zeros(1, 1, 2, 10)
+    mask[0, 0, 1, 8] = torch.finfo(torch.float32).min
+    mask[0, 0, 0, 9] = torch.finfo(torch.float32).min
+    out = palu(
+        input_ids=torch.tensor([[5, tokens[0]]]),
+        attention_mask=mask,
+        position_ids=torch.tensor([[8, 8]]),
+        past_key_values=cache,
+    )
+    torch.testing.assert_close(out.logits[0, 1], expected[0], atol=1e-5, rtol=1e-5)
+    keep = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 9]])
+    if isinstance(cache, PaluQuantizedCache):
+        cache.select_positions(keep)
+    else:  # what the speculative engine does for plain layers: gather on the sequence axis
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, keep[0]], layer.values[:, :, keep[0]]
+    torch.testing.assert_close(_decode_logits(palu, cache, tokens[1:], 9), expected[1:], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_cache_bytes_per_token_match_ranks_and_bits(palu):
+    config = palu.config
+    out = palu.generate(input_ids=_ids(2, 7), max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    tokens = 2 * cache.get_seq_length()
+    num_groups = config.num_key_value_heads // config.palu_group_size
+    if config.palu_quant_bits:
+        assert isinstance(cache, PaluQuantizedCache)
+        per_token = sum(
+            num_groups * (compute_bytes_per_token(rk, 3) + compute_bytes_per_token(rv, 3))
+            for rk, rv in zip(config.palu_k_ranks, config.palu_v_ranks)
+        )
+        assert cache_bytes(cache) == tokens * per_token == tokens * expected_cache_bytes_per_token(config)
+    else:
+        assert isinstance(cache, DynamicCache)
+        per_token = 4 * num_groups * (sum(config.palu_k_ranks) + sum(config.palu_v_ranks))  # float32 latents
+        assert cache_bytes(cache) == tokens * per_token == tokens * expected_cache_bytes_per_token(config, 4)
+
+
+RELOAD = """
+import sys, torch
+if {block!r}:
+    sys.modules["hf_accel"] = None  # the checkpoint must not need hf_accel
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({path!r}, trust_remote_code=True, palu_kernel_backend={backend!r})
+ids = torch.load({ids!r})
+with torch.no_grad():
+    torch.save(model(input_ids=ids).logits, {out!r})
+    torch.save(model.generate(input_ids=ids, max_new_tokens=4, do_sample=False), {gen!r})
+print(type(model).__name__)
+"""
+
+
+@pytest.mark.parametrize(
+    "block_hf_accel, backend",
+    [(True, "eager"), (False, "eager"), pytest.param(False, "triton", marks=require_triton)],
+    ids=["without-hf_accel", "with-hf_accel", "triton"],
+)
+def test_fresh_process_load_gives_same_logits(palu, tokenizer, tmp_path, block_hf_accel, backend):
+    if (
+        not block_hf_accel and palu.config.palu_quant_bits == 0
+    ):  # the float path through hf_accel is the in-process one
+        pytest.skip("covered in process")
+    info = {
+        "settings": {
+            "kv_keep": 0.5,
+            "group_size": 2,
+            "ranks": "fisher",
+            "quant_bits": palu.config.palu_quant_bits,
+            "hadamard": True,
+        },
+        "kv_keep_achieved": 0.5,
+        "grouping": "G-LRD",
+        "cache_bytes_per_token": 1,
+        "base_cache_bytes_per_token": 2,
+    }
+    path = save_palu(palu, tokenizer, tmp_path / "palu", info, base_model="org/tiny")
+    ids = _ids(2, 11)
+    torch.save(ids, tmp_path / "ids.pt")
+    script = RELOAD.format(
+        block=block_hf_accel,
+        path=str(path),
+        backend=backend,
+        ids=str(tmp_path / "ids.pt"),
+        out=str(tmp_path / "logits.pt"),
+        gen=str(tmp_path / "gen.pt"),
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1") if backend == "triton" and not torch.cuda.is_available() else None
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "PaluLlamaForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(
+            torch.load(tmp_path / "logits.pt"), palu(input_ids=ids).logits, atol=1e-4, rtol=1e-4
+        )
+        expected = palu.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(torch.load(tmp_path / "gen.pt"), expected)
