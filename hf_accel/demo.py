@@ -1,11 +1,20 @@
-"""`hf-accel demo`: the embedded default model answering a few built-in prompts, with the figures that matter."""
+"""`hf-accel demo`: the embedded default model, with both halves of hf-accel on it.
+
+1. Speculative decoding: a few built-in prompts answered by plain greedy `generate` and by the `ngram` drafter
+   through `generate(custom_generate=...)`, side by side (tokens/s, tokens per target pass, identity).
+2. KV-cache compression: the model converted by CARE (cached under `$HF_ACCEL_HOME/models/`), its measured cache
+   bytes per token and its perplexity beside the original's, on a Python standard-library source file.
+"""
 
 import argparse
+import textwrap
 import time
+from pathlib import Path
 
 import torch
 
 from .cli import print_json
+from .eval.memory import measure_cache_bytes_per_token
 
 
 DEMO_PROMPTS = [
@@ -13,70 +22,115 @@ DEMO_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Translate to French: The weather is nice today and we are going to the park.",
 ]
-
-
-def kv_cache_bytes_per_token(past_key_values) -> float:
-    """Bytes the cache really holds per cached token (all layers), measured from its tensors.
-
-    Args:
-        past_key_values (`Cache`): a transformers cache after a forward pass, batch size 1.
-    """
-    total, seq_len = 0, past_key_values.get_seq_length()
-    for layer in past_key_values.layers:
-        nbytes = getattr(layer, "nbytes", None)  # compressed layers report their own true size
-        if nbytes is not None:
-            total += nbytes() if callable(nbytes) else nbytes
-            continue
-        for tensor in (layer.keys, layer.values):
-            if tensor is not None:
-                total += tensor.numel() * tensor.element_size()
-    return total / seq_len
+_SHIPPED_INDEX = Path(__file__).resolve().parent / "data" / "indexes" / "smollm2-135m-chat-build"
+_PPL_TOKENS = 2048
 
 
 def add_cli(commands) -> None:
-    demo = commands.add_parser("demo", help="run the embedded default model on a few prompts")
+    demo = commands.add_parser("demo", help="run the embedded default model: speculative decoding and CARE")
     demo.add_argument("--model", default="smollm2-135m")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--kv-keep", type=float, default=0.5, help="CARE budget (fraction of the K+V cache kept)")
+    demo.add_argument("--no-convert", action="store_true", help="skip the CARE part")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(func=run_demo)
 
 
-@torch.no_grad()
-def run_demo(args: argparse.Namespace) -> int:
-    from .loading import load_model_and_tokenizer
+def _timed_generate(model, inputs, max_new_tokens, **kwargs):
+    start = time.perf_counter()
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    return out[0, inputs["input_ids"].shape[1] :], time.perf_counter() - start
 
-    model, tokenizer = load_model_and_tokenizer(args.model)
+
+@torch.no_grad()
+def _speculative_rows(model, tokenizer, drafter, max_new_tokens: int) -> list[dict]:
+    from .speculative import custom_generate
+
     rows = []
-    for prompt in DEMO_PROMPTS:
+    for i, prompt in enumerate(DEMO_PROMPTS):
         messages = [{"role": "user", "content": prompt}]
         inputs = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
-        start = time.perf_counter()
-        out = model.generate(
-            **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True
+        if i == 0:  # warm-up of both paths, excluded from the timings
+            _timed_generate(model, inputs, 4)
+            _timed_generate(model, inputs, 4, custom_generate=custom_generate, drafter=drafter)
+        plain, plain_s = _timed_generate(model, inputs, max_new_tokens)
+        fast, fast_s = _timed_generate(model, inputs, max_new_tokens, custom_generate=custom_generate, drafter=drafter)
+        rows.append({
+            "prompt": prompt,
+            "answer": tokenizer.decode(plain, skip_special_tokens=True).strip(),
+            "tokens": plain.numel(),
+            "vanilla_tokens_per_s": plain.numel() / plain_s,
+            "ngram_tokens_per_s": fast.numel() / fast_s,
+            "speedup": (fast.numel() / fast_s) / (plain.numel() / plain_s),
+            "mean_accepted": drafter.last_stats.mean_accepted,
+            "identical": plain.tolist() == fast.tolist(),
+        })  # fmt: skip
+    return rows
+
+
+def _care_model(name: str, model, tokenizer, kv_keep: float):
+    """The CARE conversion of `model`, converted once and cached beside the default model's checkpoint."""
+    from .compress.care import CareConversionConfig, run_care_conversion, save_care_model
+    from .loading import hf_accel_home, load_model_and_tokenizer
+
+    cached = hf_accel_home() / "models" / f"{Path(name).name}-care-kv{kv_keep:g}"
+    if not (cached / "config.json").is_file():
+        config = CareConversionConfig(kv_keep=kv_keep)
+        # Calibrated on the model's own generated text (the CLI default), 32 windows of 64 tokens.
+        result = run_care_conversion(model, tokenizer, config, None, True, num_samples=32, seq_len=64)
+        save_care_model(result, tokenizer, cached, base_name=name, overwrite=True)
+    return load_model_and_tokenizer(str(cached), trust_remote_code=True)[0], cached
+
+
+def _compression_rows(name, model, tokenizer, kv_keep: float) -> tuple[list[dict], str]:
+    from .eval.perplexity import compute_perplexity
+
+    care, cached = _care_model(name, model, tokenizer, kv_keep)
+    text = Path(textwrap.__file__).read_text(encoding="utf-8")
+    probe = torch.arange(32)[None] % model.config.vocab_size
+    rows = []
+    for label, m in (("original", model), (f"CARE kv-keep {kv_keep:g}", care)):
+        ppl = compute_perplexity(m, tokenizer, text, seq_len=512, max_tokens=_PPL_TOKENS, progress=False)["ppl"]
+        rows.append({"model": label, "kv_bytes_per_token": measure_cache_bytes_per_token(m, probe), "ppl": ppl})
+    return rows, str(cached)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from .loading import DEFAULT_MODEL, load_model_and_tokenizer
+    from .speculative.drafters import build_drafter
+
+    if not 0 < args.kv_keep <= 1:
+        raise ValueError(f"--kv-keep must be in (0, 1], got {args.kv_keep}")
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    index = str(_SHIPPED_INDEX) if args.model == DEFAULT_MODEL else None  # the shipped index is the default's
+    drafter = build_drafter("ngram", index, model, tokenizer)
+    result = {"model": args.model, "dtype": str(model.dtype), "ngram_index": index}
+    result["speculative"] = _speculative_rows(model, tokenizer, drafter, args.max_new_tokens)
+    if not args.no_convert:
+        result["compression"], result["care_checkpoint"] = _compression_rows(
+            args.model, model, tokenizer, args.kv_keep
         )
-        seconds = time.perf_counter() - start
-        new = out.sequences[0, inputs["input_ids"].shape[1] :]
-        rows.append(
-            {
-                "prompt": prompt,
-                "answer": tokenizer.decode(new, skip_special_tokens=True).strip(),
-                "tokens": new.numel(),
-                "tokens_per_s": new.numel() / seconds,
-                "kv_bytes_per_token": kv_cache_bytes_per_token(out.past_key_values),
-            }
-        )
-    result = {"model": args.model, "dtype": str(model.dtype), "rows": rows}
-    if args.json:
-        print_json(result)
-        return 0
-    print(f"hf-accel demo · {args.model} · {model.dtype} · greedy, max_new_tokens {args.max_new_tokens}\n")
-    print(f"{'prompt':<44}{'tokens':>7}{'tok/s':>8}{'KV B/token':>12}  answer")
-    for r in rows:
+    print_json(result) if args.json else _print_tables(result, args)
+    return 0
+
+
+def _print_tables(result: dict, args) -> None:
+    print(f"hf-accel demo · {result['model']} · {result['dtype']} · greedy, max_new_tokens {args.max_new_tokens}\n")
+    print("Speculative decoding: plain generate vs the ngram drafter (generate(custom_generate=...))")
+    print(f"{'prompt':<40}{'tokens':>7}{'vanilla':>9}{'ngram':>8}{'speedup':>9}{'acc/pass':>9}{'same':>6}  answer")
+    for r in result["speculative"]:
         answer = r["answer"].replace("\n", " ")
         print(
-            f"{r['prompt'][:42]:<44}{r['tokens']:>7}{r['tokens_per_s']:>8.1f}{r['kv_bytes_per_token']:>12,.0f}  "
-            f"{answer[:70]}{'…' if len(answer) > 70 else ''}"
+            f"{r['prompt'][:38]:<40}{r['tokens']:>7}{r['vanilla_tokens_per_s']:>9.1f}{r['ngram_tokens_per_s']:>8.1f}"
+            f"{r['speedup']:>8.2f}x{r['mean_accepted']:>9.2f}{'yes' if r['identical'] else 'NO':>6}  "
+            f"{answer[:60]}{'…' if len(answer) > 60 else ''}"
         )
-    return 0
+    print("tok/s columns; acc/pass = tokens per target forward pass, bonus token included")
+    if "compression" in result:
+        print(f"\nKV-cache compression: CARE (checkpoint {result['care_checkpoint']})")
+        print(f"{'model':<22}{'KV bytes/token':>16}{'perplexity':>12}")
+        for r in result["compression"]:
+            print(f"{r['model']:<22}{r['kv_bytes_per_token']:>16,.0f}{r['ppl']:>12.2f}")
+        print(f"perplexity: Python's textwrap.py, first {_PPL_TOKENS} tokens, 512-token windows")

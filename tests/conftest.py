@@ -14,11 +14,20 @@ def make_tiny_llama(seed: int = 0, **overrides):
     """A random-initialised Llama small enough for exhaustive tests (GQA: 4 query heads, 2 KV heads)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    kwargs = dict(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=False,
-    )
+    kwargs = {
+        "vocab_size": 97,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 256,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
     kwargs.update(overrides)
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**kwargs)).eval()

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from ..eval.memory import measure_cache_bytes_per_token
 from .calibration import (
     CALIBRATION_PROMPTS,
     KvCalibration,
@@ -74,12 +75,8 @@ def calibrate_mixed(
 
 def measured_cache_bytes_per_token(model, vocab_size: int, tokens: int = 16) -> float:
     """Runs `tokens` tokens through `model` with a cache and returns the cache tensors' bytes per token."""
-    from ..models.modeling_care import cache_bytes_per_token
-
     ids = torch.arange(tokens)[None] % vocab_size
-    with torch.no_grad():
-        cache = model(input_ids=ids.to(next(model.parameters()).device), use_cache=True).past_key_values
-    return cache_bytes_per_token(cache)
+    return measure_cache_bytes_per_token(model, ids.to(next(model.parameters()).device))
 
 
 def benchmark_care(

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .memory import measure_cache_bytes_per_token
 from .perplexity import compute_perplexity
 
 
@@ -56,21 +57,15 @@ def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4) -> fl
     return math.exp(total / count)
 
 
-@torch.no_grad()
-def measure_cache_bytes_per_token(model, input_ids: torch.Tensor) -> float:
-    """Bytes the model's cache holds after a prefill of `input_ids`, per cached token (batch × length)."""
-    from ..models.modeling_palu import cache_bytes, make_palu_cache
+def measure_palu_cache_bytes_per_token(model, input_ids: torch.Tensor) -> float:
+    """Bytes the model's cache holds after a prefill of `input_ids`, per cached token (batch × length); an
+    unquantized model is measured in bfloat16 (the 2-byte reference of the issue's targets)."""
+    from ..models.modeling_palu import make_palu_cache
 
     quantized = bool(getattr(model.config, "palu_quant_bits", 0))
     measured = model if quantized else copy.deepcopy(model).to(torch.bfloat16)
-    if hasattr(model.config, "palu_k_ranks"):
-        cache = make_palu_cache(measured.config)
-    else:
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=measured.config)
-    measured(input_ids=input_ids, past_key_values=cache, use_cache=True)
-    return cache_bytes(cache) / input_ids.numel()
+    cache = make_palu_cache(measured.config) if hasattr(model.config, "palu_k_ranks") else None
+    return measure_cache_bytes_per_token(measured, input_ids, cache)
 
 
 def _evaluate(model, tokenizer, held_out: str, generated, config: PaluBenchConfig, probe_ids) -> dict:
@@ -82,7 +77,7 @@ def _evaluate(model, tokenizer, held_out: str, generated, config: PaluBenchConfi
     }
     if generated is not None:
         row["ppl_generated"] = perplexity_on_ids(model, generated)
-    row["cache_bytes_per_token"] = measure_cache_bytes_per_token(model, probe_ids)
+    row["cache_bytes_per_token"] = measure_palu_cache_bytes_per_token(model, probe_ids)
     row["eval_s"] = round(time.perf_counter() - start, 1)
     return row
 

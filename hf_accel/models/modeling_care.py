@@ -192,22 +192,9 @@ class CareQwen3ForCausalLM(Qwen3ForCausalLM):
         self.post_init()
 
 
-def cache_bytes_per_token(past_key_values) -> float:
-    """Bytes per cached token of a cache, measured from its tensors (summed over layers, per sequence)."""
-    total, tokens = 0, None
-    for layer in past_key_values.layers:
-        for tensor in (layer.keys, layer.values):
-            if tensor is None or not torch.is_tensor(tensor) or tensor.numel() == 0:
-                continue
-            total += tensor.numel() * tensor.element_size()
-            tokens = tensor.shape[0] * tensor.shape[-2]
-    return total / tokens if tokens else 0.0
-
-
 __all__ = [
     "CareLlamaForCausalLM",
     "CareMistralForCausalLM",
     "CareQwen2ForCausalLM",
     "CareQwen3ForCausalLM",
-    "cache_bytes_per_token",
 ]

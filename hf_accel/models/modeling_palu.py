@@ -181,19 +181,4 @@ def make_palu_cache(config):
     )
 
 
-def cache_bytes(past_key_values) -> int:
-    """True bytes held by a Palu cache: packed codes, scales and zeros, windows, or float latents."""
-    if hasattr(past_key_values, "get_cache_bytes"):
-        return past_key_values.get_cache_bytes()
-    total = 0
-    for layer in past_key_values.layers:
-        if hasattr(layer, "get_cache_bytes"):
-            total += layer.get_cache_bytes()
-            continue
-        for tensor in (layer.keys, layer.values):
-            if torch.is_tensor(tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
-
-
-__all__ = ["PaluLlamaForCausalLM", "cache_bytes", "make_palu_cache"]
+__all__ = ["PaluLlamaForCausalLM", "make_palu_cache"]

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from hf_accel.cli import main
 from hf_accel.eval.bench import MethodRun, bench_generate, summarize
@@ -85,7 +86,15 @@ def test_cli_ppl_and_demo_json(default_model, shakespeare_text, capsys, tmp_path
     result = json.loads(capsys.readouterr().out)
     assert {"model", "ppl", "tokens", "seq_len"} <= set(result)
     assert result["tokens"] == 127 + 127 + 43 and 1 < result["ppl"] < 1000
-    assert main(["demo", "--max-new-tokens", "4", "--json"]) == 0
+    assert main(["demo", "--max-new-tokens", "8", "--no-convert", "--json"]) == 0
     demo = json.loads(capsys.readouterr().out)
+    assert len(demo["speculative"]) == 3 and all(r["identical"] for r in demo["speculative"])
+    assert "compression" not in demo
+
+
+def test_measured_cache_bytes_of_the_default_model(default_model):
+    from hf_accel.eval.memory import measure_cache_bytes_per_token
+
+    model, _ = default_model
     # fp32 GQA cache of SmolLM2: 30 layers x (K + V) x 3 KV heads x 64 dims x 4 bytes
-    assert all(r["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4 for r in demo["rows"])
+    assert measure_cache_bytes_per_token(model, torch.arange(10).view(2, 5)) == 30 * 2 * 3 * 64 * 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_accel.compress.care import CareConversionConfig, convert_care, run_care_conversion, save_care_model
-from hf_accel.models.modeling_care import cache_bytes_per_token
+from hf_accel.eval.memory import cache_bytes_per_token
 from tests.compress.care_helpers import FAMILIES, make_tiny, tiny_calibration
 
 
@@ -47,7 +47,7 @@ def test_cache_holds_latents_and_bytes_match_ranks(family_setup):
         cache = care(_ids(), use_cache=True).past_key_values
     for layer, rk, rv in zip(cache.layers, ranks_k, ranks_v):
         assert layer.keys.shape == (2, 1, 12, rk) and layer.values.shape == (2, 1, 12, rv)
-    assert cache_bytes_per_token(cache) == (sum(ranks_k) + sum(ranks_v)) * 4  # float32
+    assert cache_bytes_per_token(cache, batch_size=2) == (sum(ranks_k) + sum(ranks_v)) * 4  # float32
 
 
 def test_absorbed_value_matches_unabsorbed(family_setup):

@@ -10,10 +10,11 @@ import torch
 from transformers import DynamicCache
 
 from hf_accel.compress.palu import convert_palu, expected_cache_bytes_per_token, save_palu
+from hf_accel.eval.memory import cache_bytes
 from hf_accel.kernels import is_triton_available
 from hf_accel.kernels.cache import PaluQuantizedCache
 from hf_accel.kernels.quant import compute_bytes_per_token
-from hf_accel.models.modeling_palu import cache_bytes, make_palu_cache
+from hf_accel.models.modeling_palu import make_palu_cache
 from tests.compress.test_palu import CALIB_TEXT, FAST, TINY
 from tests.conftest import make_tiny_llama
 from tests.tiny_checkpoints import make_char_tokenizer

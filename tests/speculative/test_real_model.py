@@ -44,3 +44,30 @@ def test_real_model_greedy_identity_batch(default_model):
                          drafter=build_drafter("ngram", None, model, tokenizer))  # fmt: skip
     assert torch.equal(out, reference), _divergence_report(model, reference, out, inputs["input_ids"].shape[1])
     assert out.speculative_stats.target_forward_passes < 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [None, "shipped"])
+def test_real_model_stop_strings_and_index(default_model, index):
+    """Stop strings end the speculative output exactly where plain `generate` ends it, never past them; the same
+    with the shipped self-distilled index (drafts from the corpus as well as the context)."""
+    from pathlib import Path
+
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    import hf_accel
+
+    model, tokenizer = default_model
+    if index == "shipped":
+        index = str(Path(hf_accel.__file__).parent / "data" / "indexes" / "smollm2-135m-chat-build")
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    # transformers drops `tokenizer=` for a callable custom_generate, so stop strings go in as a criterion.
+    stop = StoppingCriteriaList([StopStringCriteria(tokenizer, ["return"])])
+    kwargs = {"max_new_tokens": 60, "do_sample": False, "stopping_criteria": stop}
+    reference = model.generate(**inputs, **kwargs)
+    drafter = build_drafter("ngram", index, model, tokenizer)
+    out = model.generate(**inputs, **kwargs, custom_generate=custom_generate, drafter=drafter)
+    new = tokenizer.decode(reference[0, inputs["input_ids"].shape[1] :])
+    assert new.endswith("return")  # the reference stops right after the stop string
+    assert torch.equal(out, reference), _divergence_report(model, reference, out, inputs["input_ids"].shape[1])

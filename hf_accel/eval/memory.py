@@ -1,0 +1,40 @@
+"""What a KV cache really holds, measured from its tensors (any cache class: dynamic, latent, quantized latent)."""
+
+import torch
+
+
+def cache_bytes(past_key_values) -> int:
+    """Total bytes held by a cache: a layer (or cache) that knows its true size (packed codes, scales, zero-points,
+    full-precision window) reports it through `get_cache_bytes()`; otherwise its `keys`/`values` tensors count."""
+    if hasattr(past_key_values, "get_cache_bytes"):
+        return past_key_values.get_cache_bytes()
+    total = 0
+    for layer in past_key_values.layers:
+        if hasattr(layer, "get_cache_bytes"):
+            total += layer.get_cache_bytes()
+            continue
+        for tensor in (layer.keys, layer.values):
+            if torch.is_tensor(tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def cache_bytes_per_token(past_key_values, batch_size: int = 1) -> float:
+    """Bytes per cached token and sequence, all layers together.
+
+    Args:
+        past_key_values (`Cache`): a transformers cache after at least one forward pass.
+        batch_size (`int`, *optional*, defaults to 1): the number of sequences the cache holds.
+    """
+    return cache_bytes(past_key_values) / (batch_size * past_key_values.get_seq_length())
+
+
+@torch.no_grad()
+def measure_cache_bytes_per_token(model, input_ids: torch.Tensor, past_key_values=None) -> float:
+    """Runs a prefill of `input_ids` (`[B, S]`) and returns the cache's bytes per token and sequence.
+
+    Args:
+        past_key_values (`Cache`, *optional*): the (empty) cache to fill; the model's default cache otherwise.
+    """
+    out = model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True)
+    return cache_bytes_per_token(out.past_key_values, input_ids.shape[0])
