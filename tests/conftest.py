@@ -10,25 +10,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# The shared tiny GQA configuration (4 query heads, 2 KV heads); tests of other families override a few keys.
+TINY_CONFIG = {
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+
+
 def make_tiny_llama(seed: int = 0, **overrides):
     """A random-initialised Llama small enough for exhaustive tests (GQA: 4 query heads, 2 KV heads)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    kwargs = {
-        "vocab_size": 97,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "max_position_embeddings": 256,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "tie_word_embeddings": False,
-    }
-    kwargs.update(overrides)
+    kwargs = {**TINY_CONFIG, **overrides}
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from tests.conftest import TINY_CONFIG
+
 
 VOCAB_SIZE = 128
 
@@ -55,20 +57,7 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_tiny_latent.TinyLatentForCausalLM",
 }
 
-TINY = {
-    "vocab_size": VOCAB_SIZE,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 256,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "tie_word_embeddings": False,
-}
+TINY = {**TINY_CONFIG, "vocab_size": VOCAB_SIZE}
 
 
 def make_char_tokenizer():

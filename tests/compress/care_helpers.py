@@ -2,21 +2,10 @@
 
 import torch
 
+from tests.conftest import TINY_CONFIG
 
-TINY = {
-    "vocab_size": 97,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 256,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "tie_word_embeddings": False,
-}
+
+TINY = TINY_CONFIG
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
