@@ -7,6 +7,9 @@ import torch
 
 # Nothing may come from the network in tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels run in its CPU interpreter unless the caller says otherwise (TRITON_INTERPRET=0 on a GPU machine).
+# It must be set before anything imports triton, and transformers may import it on the way.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
