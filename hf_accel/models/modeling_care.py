@@ -158,6 +158,9 @@ def _use_care_attention(model, attention_class) -> None:
 
 class CareLlamaForCausalLM(LlamaForCausalLM):
     config_class = CareLlamaConfig
+    # Cached keys are RoPE'd at positions inferred from cache slots (see the module docstring), so a cache with
+    # masked holes between slots (batched speculative decoding) would shift them; hf-accel's engine reads this.
+    _supports_cache_holes = False
 
     def __init__(self, config: CareLlamaConfig):
         super().__init__(config)
@@ -167,6 +170,9 @@ class CareLlamaForCausalLM(LlamaForCausalLM):
 
 class CareMistralForCausalLM(MistralForCausalLM):
     config_class = CareMistralConfig
+    # Cached keys are RoPE'd at positions inferred from cache slots (see the module docstring), so a cache with
+    # masked holes between slots (batched speculative decoding) would shift them; hf-accel's engine reads this.
+    _supports_cache_holes = False
 
     def __init__(self, config: CareMistralConfig):
         super().__init__(config)
@@ -176,6 +182,9 @@ class CareMistralForCausalLM(MistralForCausalLM):
 
 class CareQwen2ForCausalLM(Qwen2ForCausalLM):
     config_class = CareQwen2Config
+    # Cached keys are RoPE'd at positions inferred from cache slots (see the module docstring), so a cache with
+    # masked holes between slots (batched speculative decoding) would shift them; hf-accel's engine reads this.
+    _supports_cache_holes = False
 
     def __init__(self, config: CareQwen2Config):
         super().__init__(config)
@@ -185,6 +194,9 @@ class CareQwen2ForCausalLM(Qwen2ForCausalLM):
 
 class CareQwen3ForCausalLM(Qwen3ForCausalLM):
     config_class = CareQwen3Config
+    # Cached keys are RoPE'd at positions inferred from cache slots (see the module docstring), so a cache with
+    # masked holes between slots (batched speculative decoding) would shift them; hf-accel's engine reads this.
+    _supports_cache_holes = False
 
     def __init__(self, config: CareQwen3Config):
         super().__init__(config)

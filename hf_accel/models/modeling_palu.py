@@ -149,6 +149,9 @@ class PaluLlamaAttention(PaluAttentionMixin, LlamaAttention):
 
 class PaluLlamaForCausalLM(LlamaForCausalLM):
     config_class = PaluLlamaConfig
+    # Cached keys are RoPE'd at positions inferred from cache slots, so a cache with masked holes between slots
+    # (batched speculative decoding) would shift them; hf-accel's engine reads this and keeps to batch size 1.
+    _supports_cache_holes = False
     # Scores are computed by the Palu kernels, which read transformers' eager (additive) masks
     _supports_sdpa = False
     _supports_flash_attn = False
