@@ -29,7 +29,7 @@ from transformers.utils import logging
 from ..hub import copy_remote_code
 from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
 from .losses import compute_healing_loss
-from .monitor import PerplexityCallback, plot_perplexity_curve, read_history
+from .monitor import PerplexityCallback, TimeBudgetCallback, plot_perplexity_curve, read_history
 
 
 logger = logging.get_logger(__name__)
@@ -69,6 +69,7 @@ class HealingArguments(TrainingArguments):
     dataset_name, dataset_config, dataset_split, text_column, train_files: the training text, a `datasets` dataset or
     local text files. train_seq_len: packed block length. max_train_blocks: cap on the number of blocks.
     validation_file, validation_seq_len, validation_max_tokens, ppl_eval_steps: held-out perplexity during training.
+    max_train_minutes: a wall-time budget for training.
     """
 
     model_name_or_path: str = field(
@@ -118,6 +119,13 @@ class HealingArguments(TrainingArguments):
         default=16384, metadata={"help": "Score only the first N tokens of the validation text."}
     )
     ppl_eval_steps: int = field(default=50, metadata={"help": "Measure validation perplexity every N steps."})
+    max_train_minutes: float | None = field(
+        default=None,
+        metadata={
+            "help": "Stop after this many minutes of training wall time (validation included), whatever max_steps "
+            "says; the learning-rate schedule still follows max_steps / num_train_epochs."
+        },
+    )
 
     def __post_init__(self):
         # `--activation_checkpointing` (transformers' default, non-reentrant, also works with frozen embeddings
@@ -137,8 +145,8 @@ class HealingArguments(TrainingArguments):
             )
         if (self.dataset_name is None) == (not self.train_files):
             raise ValueError("give exactly one training source: --dataset_name or --train_files")
-        for name in ("lora_r", "lora_alpha", "train_seq_len", "ppl_eval_steps"):
-            if getattr(self, name) <= 0:
+        for name in ("lora_r", "lora_alpha", "train_seq_len", "ppl_eval_steps", "max_train_minutes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
@@ -419,6 +427,9 @@ def _build_trainer(args: HealingArguments) -> tuple[HealingTrainer, object, Perp
             texts, tokenizer, args.train_seq_len, args.text_column, args.max_train_blocks
         )
     callback = _perplexity_callback(args, tokenizer, teacher)
+    callbacks = [c for c in (callback,) if c is not None]
+    if args.max_train_minutes is not None:
+        callbacks.append(TimeBudgetCallback(args.max_train_minutes))
     trainer = HealingTrainer(
         model=model,
         args=args,
@@ -428,7 +439,7 @@ def _build_trainer(args: HealingArguments) -> tuple[HealingTrainer, object, Perp
         teacher_model=teacher,
         kd_temperature=args.kd_temperature,
         kd_beta=args.kd_beta,
-        callbacks=[callback] if callback else None,
+        callbacks=callbacks,
     )
     return trainer, tokenizer, callback
 

@@ -5,6 +5,7 @@ after every evaluation, so an interrupted run keeps its curve and a resumed run 
 """
 
 import json
+import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -116,3 +117,26 @@ class PerplexityCallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if state.is_world_process_zero and not self._evaluated(state.global_step):
             self._evaluate(model, state.global_step)
+
+
+class TimeBudgetCallback(TrainerCallback):
+    """Stops training after `max_minutes` of wall time since training began (validation included), at the end of
+    the first optimizer step past the budget; the Trainer then saves and finishes as after its last step.
+
+    Args:
+        max_minutes (`float`): the budget, in minutes of wall time for this `train()` call.
+    """
+
+    def __init__(self, max_minutes: float):
+        if max_minutes <= 0:
+            raise ValueError(f"max_minutes must be positive, got {max_minutes}")
+        self.max_seconds = 60.0 * max_minutes
+        self.start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.monotonic() - self.start >= self.max_seconds:
+            control.should_training_stop = True
+            control.should_save = True

@@ -300,3 +300,43 @@ def test_healing_moves_a_damaged_student_towards_its_teacher(checkpoints, tmp_pa
     )
     after = distance(run_healing(args).model)
     assert after < 0.8 * before
+
+
+def test_lora_healing_of_a_care_model_keeps_latent_caching(checkpoints, tmp_path):
+    """Heal a real CARE conversion: the merged checkpoint is still a CARE model, reloads in a fresh process with the
+    same logits, and its cache still holds latents (bytes per token of the converted model, half the original's)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel.compress.care import CareConversionConfig, run_care_conversion, save_care_model
+    from hf_accel.eval.memory import measure_cache_bytes_per_token
+    from tests.compress.care_helpers import tiny_calibration
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    teacher = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"]).eval()
+    config = CareConversionConfig(kv_keep=0.5)
+    result = run_care_conversion(teacher, config=config, calibration=tiny_calibration(teacher), progress=False)
+    care_dir = save_care_model(result, make_char_tokenizer(), tmp_path / "care")
+    healed = run_healing(_args(checkpoints, tmp_path / "healed", model_name_or_path=str(care_dir), max_steps=2)).model
+
+    ids = torch.randint(4, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    original_bytes = measure_cache_bytes_per_token(teacher, ids)
+    care_bytes = measure_cache_bytes_per_token(result.model, ids)
+    assert care_bytes == original_bytes / 2
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "healed", trust_remote_code=True).eval()
+    assert type(reloaded).__name__ == type(result.model).__name__ == "CareLlamaForCausalLM"
+    assert measure_cache_bytes_per_token(reloaded, ids) == care_bytes
+    before = result.model.state_dict()["model.layers.0.self_attn.k_down.weight"]
+    assert not torch.equal(before, reloaded.state_dict()["model.layers.0.self_attn.k_down.weight"])
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    logits, name = logits_in_fresh_process(str(tmp_path / "healed"), tmp_path / "logits.pt", env)
+    assert name == "CareLlamaForCausalLM"
+    torch.testing.assert_close(logits, sample_logits(healed), rtol=1e-5, atol=1e-5)
+
+
+def test_time_budget_stops_training_after_the_step_that_passes_it(checkpoints, tmp_path):
+    result = run_healing(_args(checkpoints, tmp_path / "budget", max_steps=4, max_train_minutes=1e-9))
+    assert result.summary["steps"] == 1
+    history = json.loads((tmp_path / "budget" / "ppl_history.json").read_text())
+    assert [p["step"] for p in history["points"]] == [0, 1]
+    with pytest.raises(ValueError, match="max_train_minutes must be positive"):
+        _args(checkpoints, tmp_path / "bad", max_train_minutes=0)

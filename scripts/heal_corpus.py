@@ -1,0 +1,67 @@
+"""Writes the texts of the healing experiment (README, "Healing"): a training corpus and two held-out texts.
+
+- `train.txt`: tinyshakespeare's first half, the default model's own responses to the index-building prompts (decoded
+  from the shipped self-distillation indexes: chat build set and HumanEval 1–100), and Python standard-library sources
+  (every fourth top-level module in sorted order, `textwrap.py` excluded: the demo evaluates on it).
+- `heldout_shakespeare.txt`: tinyshakespeare's second half (never trained or calibrated on).
+- `heldout_generated.txt`: text sampled from the original model on CARE's held-out prompts, with the seed and sizes
+  `scripts/bench_care.py` uses (10 × 256 tokens, seed 1000), so both experiments score the same kind of text.
+
+Example:
+    python scripts/heal_corpus.py --out runs/heal
+"""
+
+import argparse
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+
+DEFAULT_TEXT = "/work/shared/data/tinyshakespeare.txt"
+INDEXES = ("smollm2-135m-chat-build", "smollm2-135m-humaneval-first100")
+
+
+def stdlib_sample(every: int = 4, exclude: tuple[str, ...] = ("textwrap.py",)) -> list[Path]:
+    files = sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py") if p.name not in exclude)
+    return files[::every]
+
+
+def self_distilled_responses(tokenizer) -> list[str]:
+    import hf_accel
+
+    texts = []
+    for name in INDEXES:
+        with open(Path(hf_accel.__file__).parent / "data" / "indexes" / name / "self_distill.jsonl") as f:
+            texts += [tokenizer.decode(json.loads(line)["tokens"], skip_special_tokens=True) for line in f]
+    return texts
+
+
+def main(argv=None) -> int:
+    from hf_accel.compress.care_bench import generated_text, split_text
+    from hf_accel.loading import load_model_and_tokenizer
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--text", default=DEFAULT_TEXT)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    first, second = split_text(Path(args.text).read_text(encoding="utf-8"))
+    sources = [first] + self_distilled_responses(tokenizer)
+    sources += [f.read_text(encoding="utf-8", errors="replace") for f in stdlib_sample()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.txt").write_text("\n\n".join(sources), encoding="utf-8")
+    (out / "heldout_shakespeare.txt").write_text(second, encoding="utf-8")
+    generated = generated_text(model, tokenizer, num_samples=10, seq_len=256, seed=1000)
+    (out / "heldout_generated.txt").write_text(generated, encoding="utf-8")
+    sizes = {name: len(tokenizer((out / name).read_text(encoding="utf-8")).input_ids) for name in sorted(
+        ("train.txt", "heldout_shakespeare.txt", "heldout_generated.txt"))}
+    print(json.dumps({"out": str(out), "tokens": sizes}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
