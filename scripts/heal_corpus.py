@@ -57,8 +57,10 @@ def main(argv=None) -> int:
     (out / "heldout_shakespeare.txt").write_text(second, encoding="utf-8")
     generated = generated_text(model, tokenizer, num_samples=10, seq_len=256, seed=1000)
     (out / "heldout_generated.txt").write_text(generated, encoding="utf-8")
-    sizes = {name: len(tokenizer((out / name).read_text(encoding="utf-8")).input_ids) for name in sorted(
-        ("train.txt", "heldout_shakespeare.txt", "heldout_generated.txt"))}
+    sizes = {
+        name: len(tokenizer((out / name).read_text(encoding="utf-8")).input_ids)
+        for name in sorted(("train.txt", "heldout_shakespeare.txt", "heldout_generated.txt"))
+    }
     print(json.dumps({"out": str(out), "tokens": sizes}))
     return 0
 
