@@ -1,5 +1,6 @@
 """`hf-accel index build`: an Infinigram index from text files, a dataset, or the model's own answers."""
 
+import re
 import time
 
 
@@ -16,10 +17,9 @@ def add_cli(commands) -> None:
     build.add_argument("--text-column", default="text")
     build.add_argument(
         "--self-distill", nargs="+", default=[], metavar="PROMPTS",
-        help="prompt files (Spec-Bench JSONL, `humaneval`, or a built-in set) the model answers; its answers are indexed",
+        help="prompt sets (Spec-Bench JSONL, `humaneval`, or a built-in set) the model answers, its answers indexed; "
+        "a slice picks prompts, e.g. `humaneval[:100]`",
     )  # fmt: skip
-    build.add_argument("--limit", type=int, default=None, help="self-distill: at most N prompts per source")
-    build.add_argument("--offset", type=int, default=0, help="self-distill: skip the first N prompts of each source")
     build.add_argument("--max-new-tokens", type=int, default=256, help="self-distill: answer length cap")
     build.add_argument("--batch-size", type=int, default=8, help="self-distill: prompts per generate call")
     build.add_argument("--trust-remote-code", action="store_true")
@@ -53,13 +53,14 @@ def _run_build(args) -> int:
     for source in args.self_distill:
         from ..eval.prompts import load_prompts
 
-        prompts = load_prompts(source, tokenizer, limit=args.limit, offset=args.offset)
+        name, offset, limit = parse_prompt_slice(source)
+        prompts = load_prompts(name, tokenizer, limit=limit, offset=offset)
         tic = time.perf_counter()
         documents += self_distill(
             model, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size, args.model
         )
         generation_s += time.perf_counter() - tic
-        sources.append(f"self-distill:{source}:offset={args.offset}:limit={args.limit}:max_new={args.max_new_tokens}")
+        sources.append(f"self-distill:{name}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}")
     prepare_s = time.perf_counter() - start
     header, build_s = build_index_from_documents(documents, tokenizer, args.out, sources, args.model)
     result = {
@@ -84,3 +85,14 @@ def _load(args, need_model, load_model_and_tokenizer):
     from ..loading import resolve_model
 
     return None, AutoTokenizer.from_pretrained(resolve_model(args.model), trust_remote_code=args.trust_remote_code)
+
+
+def parse_prompt_slice(source: str) -> tuple[str, int, int | None]:
+    """`"humaneval[:100]"` -> `("humaneval", 0, 100)`: a prompt set and the `[start:stop]` slice of it to use."""
+    match = re.fullmatch(r"(.+)\[(\d*):(\d*)\]", source)
+    if match is None:
+        return source, 0, None
+    name, start, stop = match.group(1), int(match.group(2) or 0), match.group(3)
+    if stop and int(stop) <= start:
+        raise ValueError(f"empty prompt slice in {source!r}")
+    return name, start, int(stop) - start if stop else None

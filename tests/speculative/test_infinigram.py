@@ -183,3 +183,25 @@ def test_cost_model_learns_from_observed_passes():
     assert not model.needs_anchor(1)
     assert model.cost(16) == 0.6 and model.cost(2) == pytest.approx(0.2 * 1.3)
     assert choose_tree_width(scores, model, 16) == 3  # only the confident nodes are worth it now
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("humaneval", ("humaneval", 0, None)),
+        ("humaneval[:100]", ("humaneval", 0, 100)),
+        ("humaneval[100:]", ("humaneval", 100, None)),
+        ("data/my prompts.jsonl[10:30]", ("data/my prompts.jsonl", 10, 20)),
+    ],
+)
+def test_self_distill_prompt_slices(source, expected):
+    from hf_accel.speculative.cli import parse_prompt_slice
+
+    assert parse_prompt_slice(source) == expected
+
+
+def test_empty_prompt_slice_is_an_error():
+    from hf_accel.speculative.cli import parse_prompt_slice
+
+    with pytest.raises(ValueError, match="empty prompt slice"):
+        parse_prompt_slice("humaneval[5:5]")
