@@ -205,3 +205,21 @@ def test_empty_prompt_slice_is_an_error():
 
     with pytest.raises(ValueError, match="empty prompt slice"):
         parse_prompt_slice("humaneval[5:5]")
+
+
+def test_index_loads_by_hub_id_from_the_cache_offline(small_index, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from hf_accel.hub import populate_hub_cache
+
+    docs, index = small_index
+    cache = tmp_path / "hub"
+    populate_hub_cache(index.path, "hf-accel-test/tiny-index", cache_dir=cache)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    loaded = InfinigramIndex("hf-accel-test/tiny-index")
+    assert loaded.path != index.path and loaded.header == index.header
+    context = np.array(docs[0][:6])
+    assert loaded.longest_suffix(context, 64) == index.longest_suffix(context, 64)
+    with pytest.raises(FileNotFoundError, match="no Hub repository of that id"):
+        InfinigramIndex("hf-accel-test/missing-index")

@@ -106,15 +106,38 @@ def build_index(
     return header
 
 
+INDEX_FILES = ("header.json", "tokens.u32", "sa.bin", "first.npy")
+
+
+def resolve_index_dir(name_or_path: str | Path) -> Path:
+    """A local index directory as is; otherwise `name_or_path` is taken as a Hub repo id and its snapshot (index
+    files only) is fetched or found in the Hugging Face cache."""
+    path = Path(name_or_path)
+    if path.is_dir() or str(name_or_path).count("/") != 1 or path.is_absolute() or str(name_or_path).startswith("."):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(name_or_path), allow_patterns=list(INDEX_FILES)))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
+        raise FileNotFoundError(
+            f"no index directory {name_or_path!r}, and no Hub repository of that id could be read "
+            f"({type(err).__name__}); pass an index directory or a pushed index's repo id"
+        ) from None
+
+
 class InfinigramIndex:
     """Read-only, memory-mapped view of an index directory.
 
     Args:
-        path (`str` or `Path`): the index directory.
+        path (`str` or `Path`): the index directory, or the id of a Hub repository holding one (a pushed
+            `drafter-index` artifact: downloaded once into the Hugging Face cache, read from it with
+            `HF_HUB_OFFLINE=1`).
     """
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.path = resolve_index_dir(path)
         header_file = self.path / "header.json"
         if not header_file.is_file():
             raise FileNotFoundError(f"not an Infinigram index (no header.json): {self.path}")
