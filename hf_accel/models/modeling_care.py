@@ -8,9 +8,10 @@ work unchanged, with `r_K + r_V` numbers per token per layer. Keys are rebuilt f
 then RoPE'd at their positions (spec A.4 Stage 5: RoPE is applied to the reconstructed keys). The value
 up-projection can be folded into `o_proj` (`care_absorb_value`).
 
-Positions of cached keys: cached tokens are contiguous and end right before the first new token, so a cached token
-at index `j` of `past_len` has position `position_ids[:, 0] − past_len + j`; new tokens use `position_ids` as given
-(tree verification with explicit positions works). This file is copied into converted checkpoints and imports only
+Positions of cached keys: a caller whose cache has masked holes between slots (hf-accel's batched speculative
+decoding) passes every slot's position as `key_positions` `[B, past_len + q_len]`. Otherwise cached tokens are
+contiguous and end right before the first new token, so a cached token at index `j` of `past_len` has position
+`position_ids[:, 0] − past_len + j`; new tokens use `position_ids` as given (tree verification works). This file is copied into converted checkpoints and imports only
 from torch and transformers.
 """
 
@@ -94,6 +95,7 @@ class CareAttentionMixin:
         position_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        key_positions = kwargs.pop("key_positions", None)  # [B, past + q] from hf-accel's engine, or inferred
         input_shape = hidden_states.shape[:-1]
         query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)
         if hasattr(self, "q_norm"):
@@ -108,7 +110,9 @@ class CareAttentionMixin:
         if past_key_values is not None:
             latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
         q_len = input_shape[-1]
-        positions = _key_positions(position_ids, latent_k.shape[-2] - q_len, q_len, hidden_states.device)
+        positions = key_positions
+        if positions is None:
+            positions = _key_positions(position_ids, latent_k.shape[-2] - q_len, q_len, hidden_states.device)
         key_states = self._keys_from_latent(latent_k, positions)
         value_states = self._values_from_latent(latent_v)
 
@@ -158,9 +162,9 @@ def _use_care_attention(model, attention_class) -> None:
 
 class CareLlamaForCausalLM(LlamaForCausalLM):
     config_class = CareLlamaConfig
-    # Cached keys are RoPE'd at positions inferred from cache slots (see the module docstring), so a cache with
-    # masked holes between slots (batched speculative decoding) would shift them; hf-accel's engine reads this.
-    _supports_cache_holes = False
+    # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
+    # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
+    _accepts_key_positions = True
 
     def __init__(self, config: CareLlamaConfig):
         super().__init__(config)
@@ -170,9 +174,9 @@ class CareLlamaForCausalLM(LlamaForCausalLM):
 
 class CareMistralForCausalLM(MistralForCausalLM):
     config_class = CareMistralConfig
-    # Cached keys are RoPE'd at positions inferred from cache slots (see the module docstring), so a cache with
-    # masked holes between slots (batched speculative decoding) would shift them; hf-accel's engine reads this.
-    _supports_cache_holes = False
+    # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
+    # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
+    _accepts_key_positions = True
 
     def __init__(self, config: CareMistralConfig):
         super().__init__(config)
@@ -182,9 +186,9 @@ class CareMistralForCausalLM(MistralForCausalLM):
 
 class CareQwen2ForCausalLM(Qwen2ForCausalLM):
     config_class = CareQwen2Config
-    # Cached keys are RoPE'd at positions inferred from cache slots (see the module docstring), so a cache with
-    # masked holes between slots (batched speculative decoding) would shift them; hf-accel's engine reads this.
-    _supports_cache_holes = False
+    # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
+    # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
+    _accepts_key_positions = True
 
     def __init__(self, config: CareQwen2Config):
         super().__init__(config)
@@ -194,9 +198,9 @@ class CareQwen2ForCausalLM(Qwen2ForCausalLM):
 
 class CareQwen3ForCausalLM(Qwen3ForCausalLM):
     config_class = CareQwen3Config
-    # Cached keys are RoPE'd at positions inferred from cache slots (see the module docstring), so a cache with
-    # masked holes between slots (batched speculative decoding) would shift them; hf-accel's engine reads this.
-    _supports_cache_holes = False
+    # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
+    # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
+    _accepts_key_positions = True
 
     def __init__(self, config: CareQwen3Config):
         super().__init__(config)

@@ -39,6 +39,13 @@ def _key_positions(position_ids, past_len: int, q_len: int, batch: int, device) 
     return torch.cat([past, position_ids], dim=-1).expand(batch, -1)
 
 
+def _positions(key_positions, position_ids, past_len: int, q_len: int, batch: int, device) -> torch.Tensor:
+    """The caller's key positions `[B, past_len + q_len]` if given (a cache with holes), else inferred from slots."""
+    if key_positions is not None:
+        return key_positions.expand(batch, -1)
+    return _key_positions(position_ids, past_len, q_len, batch, device)
+
+
 def _masked_softmax(scores: torch.Tensor, attention_mask, past_len: int) -> torch.Tensor:
     # scores [B, H, q, S] float32; attention_mask additive float or boolean (True = attend), [B, 1, q, ≥S], or None
     q_len, total = scores.shape[-2:]
@@ -106,6 +113,7 @@ class PaluAttentionMixin:
         position_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        key_positions = kwargs.pop("key_positions", None)  # [B, past + q] from hf-accel's engine, or inferred
         bsz, q_len, _ = hidden_states.shape
         query_states = self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)  # [B, H, q, d]
         cos, sin = position_embeddings
@@ -122,7 +130,7 @@ class PaluAttentionMixin:
             layer = self._quantized_layer(past_key_values)
             past_len = layer.get_seq_length()
             layer.append(latent_k, latent_v)  # each new token is quantized once
-            positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device)
+            positions = _positions(key_positions, position_ids, past_len, q_len, bsz, hidden_states.device)
             scores = layer.key_scores(query_states, self.k_up, positions, inv_freq, backend=backend, **rope)
             probs = _masked_softmax(scores, attention_mask, past_len)
             attn_output = layer.attend_values(probs, backend=backend)  # [B, H, q, r_v]
@@ -131,7 +139,7 @@ class PaluAttentionMixin:
             if past_key_values is not None:
                 past_len = past_key_values.get_seq_length(self.layer_idx)
                 latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
-            positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device)
+            positions = _positions(key_positions, position_ids, past_len, q_len, bsz, hidden_states.device)
             kernel = get_kernel("rope_key_scores", backend)
             scores = kernel(query_states, latent_k, self.k_up, positions, inv_freq, **rope)  # [B, H, q, S]
             probs = _masked_softmax(scores, attention_mask, past_len)
@@ -149,9 +157,9 @@ class PaluLlamaAttention(PaluAttentionMixin, LlamaAttention):
 
 class PaluLlamaForCausalLM(LlamaForCausalLM):
     config_class = PaluLlamaConfig
-    # Cached keys are RoPE'd at positions inferred from cache slots, so a cache with masked holes between slots
-    # (batched speculative decoding) would shift them; hf-accel's engine reads this and keeps to batch size 1.
-    _supports_cache_holes = False
+    # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
+    # decoding), hf-accel's engine passes every slot's position as `key_positions`.
+    _accepts_key_positions = True
     # Scores are computed by the Palu kernels, which read transformers' eager (additive) masks
     _supports_sdpa = False
     _supports_flash_attn = False

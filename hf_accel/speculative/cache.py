@@ -40,6 +40,18 @@ def _gather_seq(tensor: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
     return tensor.gather(-2, expand_index.expand(shape))
 
 
+def _keep_tail(tensor: torch.Tensor, prefix_length: int, index: torch.LongTensor | None, kept: int) -> torch.Tensor:
+    """`[B, H, S, D]` -> the first `prefix_length` positions, then the tail positions `index` `[B, kept]` (relative
+    to `prefix_length`; `None` when they are `0, 1, ..., kept - 1`, as for an accepted chain).
+
+    The prefix is never copied: the gathered nodes overwrite the tail's first `kept` slots, and the result is a view
+    of the first `prefix_length + kept` positions (the cache's next update concatenates into a new tensor anyway).
+    """
+    if index is not None:
+        tensor[..., prefix_length : prefix_length + kept, :] = _gather_seq(tensor[..., prefix_length:, :], index)
+    return tensor[..., : prefix_length + kept, :]
+
+
 def select_cache_positions(cache, prefix_length: int, tail_index: torch.LongTensor) -> None:
     """Keeps the first `prefix_length` positions of every row plus, per row, the tail positions `tail_index`.
 
@@ -51,6 +63,9 @@ def select_cache_positions(cache, prefix_length: int, tail_index: torch.LongTens
             index; the engine masks those slots out, so their content does not matter.
     """
     absolute = None
+    kept = tail_index.shape[1]
+    in_place = torch.equal(tail_index, torch.arange(kept, device=tail_index.device).expand_as(tail_index))
+    gather_index = {}  # device -> index
     for layer in cache.layers:
         if hasattr(layer, "select_positions"):
             if absolute is None:
@@ -61,14 +76,12 @@ def select_cache_positions(cache, prefix_length: int, tail_index: torch.LongTens
             continue
         if layer.keys is None or layer.keys.numel() == 0:
             continue
-        index = tail_index.to(layer.keys.device)
-        # [B, H, S, D] -> crop to the prefix, then append the gathered accepted nodes.
-        layer.keys = torch.cat(
-            [layer.keys[..., :prefix_length, :], _gather_seq(layer.keys[..., prefix_length:, :], index)], -2
-        )
-        layer.values = torch.cat(
-            [layer.values[..., :prefix_length, :], _gather_seq(layer.values[..., prefix_length:, :], index)], -2
-        )
+        device = layer.keys.device
+        if not in_place and device not in gather_index:
+            gather_index[device] = tail_index.to(device)
+        index = None if in_place else gather_index[device]
+        layer.keys = _keep_tail(layer.keys, prefix_length, index, kept)
+        layer.values = _keep_tail(layer.values, prefix_length, index, kept)
 
 
 def select_cache_rows(cache, rows: torch.LongTensor) -> None:

@@ -34,7 +34,10 @@ these works without engine changes.
 Rows accept different numbers of tokens. The cache stays rectangular: each pass appends `max_b(path_length_b)`
 slots to every row and a per-row validity mask (`past_mask`) hides the unused ones ("holes"), exactly like left
 padding. Position ids count only real tokens, so each row sees the same positions as in an unpadded run. Finished
-rows are removed from the batch (cache rows dropped) instead of being carried along as padding.
+rows are removed from the batch (cache rows dropped) instead of being carried along as padding. A model that RoPEs
+*cached* keys at attention time (latent caches: CARE, Palu) cannot tell a slot's position from its index once there
+are holes; if it sets `_accepts_key_positions = True`, each pass also gets `key_positions` `[B, cache + new]`, the
+position of every slot (holes: any value, they are masked).
 
 ## Ambiguities resolved here (issue 6)
 
@@ -360,6 +363,11 @@ class SpeculativeEngine:
             inputs = {"inputs_embeds": torch.cat([embeds, tree.aux_embeds.to(embeds)], dim=1)}
         else:
             inputs = {"input_ids": tree_ids}
+        if getattr(self.model, "_accepts_key_positions", False):
+            # Models that RoPE cached keys at attention time (CARE, Palu latents) get every slot's position: holes
+            # make slot indices and positions differ. A hole's entry is masked out, its position does not matter.
+            past_positions = (state.past_mask.long().cumsum(-1) - 1).clamp(min=0)
+            inputs["key_positions"] = torch.cat([past_positions, positions], dim=1)
         prefix_length = state.past_mask.shape[1]
         tic = time.perf_counter()
         outputs = self._forward(cache, attention_mask=mask, position_ids=positions, **inputs)

@@ -68,13 +68,6 @@ def custom_generate(
     if drafter is None:
         raise ValueError("custom_generate needs a drafter: pass `drafter=build_drafter('ngram', None, model, tok)`")
     _validate_generation_config(generation_config, synced_gpus, input_ids.shape[0])
-    if input_ids.shape[0] > 1 and not getattr(model, "_supports_cache_holes", True):
-        # Rows accept different numbers of tokens, which leaves masked holes in the batched cache; a model that infers
-        # cached positions from slot indices would decode differently, so refuse rather than lose exactness.
-        raise ValueError(
-            f"{type(model).__name__} infers cached key positions from cache slots, so batched speculative decoding "
-            f"would not be exact; use batch size 1 (got {input_ids.shape[0]})"
-        )
     streamer = streamer if streamer is not None else _find_streamer()
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(f"streaming supports batch size 1, got {input_ids.shape[0]}; drop `streamer=` or the batch")
