@@ -1,0 +1,65 @@
+"""Measures what one target forward pass over `n` new tokens costs, relative to one token: the curve that bounds
+speculative decoding (speedup ≤ tokens per pass ÷ relative cost of the pass).
+
+Each point: a fresh cache filled with a `--context`-token prefill, then one timed pass over `n` tokens (all logits, as
+in a verification pass); median of `--repeats` after two warm-up runs.
+
+Example:
+    python scripts/pass_cost.py --json
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    from transformers import DynamicCache
+
+    from hf_accel.loading import load_model_and_tokenizer
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    model, _ = load_model_and_tokenizer(args.model)
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prefix = torch.randint(0, vocab, (1, args.context), generator=generator)
+    ms = {}
+    with torch.no_grad():
+        for n in args.tokens:
+            times = []
+            for _ in range(args.repeats + 2):
+                cache = DynamicCache(config=model.config)
+                model(input_ids=prefix, past_key_values=cache, use_cache=True)
+                new = torch.randint(0, vocab, (1, n), generator=generator)
+                start = time.perf_counter()
+                model(input_ids=new, past_key_values=cache, use_cache=True)
+                times.append(time.perf_counter() - start)
+            ms[n] = 1000 * statistics.median(times[2:])
+    result = {
+        "model": args.model,
+        "context": args.context,
+        "threads": torch.get_num_threads(),
+        "ms": {str(n): round(v, 1) for n, v in ms.items()},
+        "relative": {str(n): round(v / ms[args.tokens[0]], 2) for n, v in ms.items()},
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for n in args.tokens:
+            print(f"n = {n:3d}: {ms[n]:7.1f} ms  ({ms[n] / ms[args.tokens[0]]:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
