@@ -4,9 +4,10 @@ Drafters size their proposals by expected tokens per second of target time, so t
 `batch_size * (nodes + 1)` tokens relative to a plain decoding pass. That curve depends on the hardware, the thread
 count and, on shared machines, on the load (issue 6 measured, on 2 idle cores: 1.0 at one token, 1.3-1.45 for 2-16,
 2.0 at 32, 4.1 at 64; on the same cores shared with other jobs, 16 tokens cost about 2x). So the engine reports the
-wall time of every verification pass ([`VerifyResult.forward_seconds`]) and [`PassCostModel`] keeps an exponential
-moving average per token count; a count never measured takes the default shape, scaled by the measured count
-nearest to it (in log scale).
+wall time of every verification pass ([`VerifyResult.pass_seconds`]: forward, acceptance, commit and cache
+rollback, so per-row work such as sampled acceptance counts too) and [`PassCostModel`] keeps an exponential moving
+average per token count; a count never measured takes the default shape, scaled by the measured count nearest to it
+(in log scale).
 """
 
 import itertools

@@ -171,7 +171,8 @@ class VerifyResult:
             auxiliary nodes.
         is_prefill (`bool`): whether this result comes from the prefill.
         num_input_tokens (`int`): tokens fed to the target in this pass (`num_active * (1 + nodes + aux)`).
-        forward_seconds (`float`): wall time of the target's forward pass (for cost models, see `cost.py`).
+        pass_seconds (`float`): wall time of the pass: the target's forward, acceptance, commit and cache rollback
+            (what a drafter's cost model should weigh a draft against, see `cost.py`).
     """
 
     rows: torch.LongTensor
@@ -183,7 +184,7 @@ class VerifyResult:
     aux_logits: torch.FloatTensor | None = None
     is_prefill: bool = False
     num_input_tokens: int = 0
-    forward_seconds: float = 0.0
+    pass_seconds: float = 0.0
 
 
 class _DecodeState:
@@ -372,7 +373,6 @@ class SpeculativeEngine:
         tic = time.perf_counter()
         outputs = self._forward(cache, attention_mask=mask, position_ids=positions, **inputs)
         logits = outputs.logits.float()  # [B, N + M, V]
-        forward_seconds = time.perf_counter() - tic
         scores = _process_tree_scores(
             self.logits_processor, state, tree_ids, ancestors[:, :num_nodes, :num_nodes], logits[:, :num_nodes]
         )
@@ -394,7 +394,7 @@ class SpeculativeEngine:
         aux_logits = logits[:, num_nodes:] if tree.num_aux else None
         result = VerifyResult(
             state.rows.clone(), new_tokens, best, path_length, finished, hidden, aux_logits, False,
-            int(tree_ids.shape[0] * parent.shape[1]), forward_seconds,
+            int(tree_ids.shape[0] * parent.shape[1]), time.perf_counter() - tic,
         )  # fmt: skip
         self._after_pass(state, cache, result)
 

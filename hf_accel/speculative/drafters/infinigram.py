@@ -258,7 +258,7 @@ class InfinigramDrafter:
         """Learns the pass cost (engine timing) and the acceptance rate by score (accepted nodes) of each pass."""
         if result.is_prefill:
             return
-        self.cost_model.observe(result.num_input_tokens, result.forward_seconds)
+        self.cost_model.observe(result.num_input_tokens, result.pass_seconds)
         if self.calibrator is None:
             return
         for b, row in enumerate(result.rows.tolist()):
