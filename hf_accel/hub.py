@@ -70,8 +70,10 @@ def _artifact_kind(kind: str) -> ArtifactKind:
 
 def hub_base_model(name_or_path: str) -> str:
     """The Hub id to write as `base_model`: aliases are mapped (`smollm2-135m`), local paths are refused."""
+    from .loading import looks_like_local_path
+
     name = HUB_IDS.get(name_or_path, name_or_path)
-    if os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1 or not name.strip("/"):
+    if looks_like_local_path(name) or not name.strip("/"):
         raise ValueError(f"base_model must be a Hub id like ORG/NAME, got {name_or_path!r} (a local path?)")
     return name
 

@@ -70,6 +70,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         raise
 
 
+def looks_like_local_path(name: str) -> bool:
+    """Whether `name` means a file-system path rather than a Hub id: it exists, starts like a path (`.`, `/`, `~`),
+    or has more than one `/`."""
+    return os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 def resolve_model(name_or_path: str) -> str:
     """Returns what `from_pretrained` should receive for a model argument.
 
@@ -86,7 +92,7 @@ def resolve_model(name_or_path: str) -> str:
         return str(out)
     if os.path.isdir(name_or_path):
         return name_or_path
-    if os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+    if looks_like_local_path(name_or_path):
         raise ModelNotFoundError(f"model {name_or_path!r} is not a directory, a Hub id, or `{DEFAULT_MODEL}`")
     return name_or_path
 

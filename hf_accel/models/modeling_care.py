@@ -11,8 +11,8 @@ up-projection can be folded into `o_proj` (`care_absorb_value`).
 Positions of cached keys: a caller whose cache has masked holes between slots (hf-accel's batched speculative
 decoding) passes every slot's position as `key_positions` `[B, past_len + q_len]`. Otherwise cached tokens are
 contiguous and end right before the first new token, so a cached token at index `j` of `past_len` has position
-`position_ids[:, 0] − past_len + j`; new tokens use `position_ids` as given (tree verification works). This file is copied into converted checkpoints and imports only
-from torch and transformers.
+`position_ids[:, 0] − past_len + j`; new tokens use `position_ids` as given (tree verification works). This file is
+copied into converted checkpoints and imports only from torch and transformers.
 """
 
 from collections.abc import Callable
@@ -34,8 +34,11 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3ForCau
 from .configuration_care import CareLlamaConfig, CareMistralConfig, CareQwen2Config, CareQwen3Config
 
 
-def _key_positions(position_ids: torch.Tensor | None, past_len: int, q_len: int, device) -> torch.Tensor:
-    """Positions of all keys `[B or 1, past_len + q_len]`: the cache is contiguous up to the first new token."""
+def _key_positions(position_ids, past_len: int, q_len: int, device, key_positions=None) -> torch.Tensor:
+    """Positions of all keys `[B or 1, past_len + q_len]`: the caller's `key_positions` if given (a cache with holes),
+    else inferred, the cache being contiguous up to the first new token."""
+    if key_positions is not None:
+        return key_positions
     if position_ids is None:
         return torch.arange(past_len + q_len, device=device)[None]
     past = position_ids[:, :1] - past_len + torch.arange(past_len, device=device)[None]  # [B, past_len]
@@ -110,9 +113,8 @@ class CareAttentionMixin:
         if past_key_values is not None:
             latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
         q_len = input_shape[-1]
-        positions = key_positions
-        if positions is None:
-            positions = _key_positions(position_ids, latent_k.shape[-2] - q_len, q_len, hidden_states.device)
+        past_len = latent_k.shape[-2] - q_len
+        positions = _key_positions(position_ids, past_len, q_len, hidden_states.device, key_positions)
         key_states = self._keys_from_latent(latent_k, positions)
         value_states = self._values_from_latent(latent_v)
 

@@ -31,19 +31,15 @@ from .configuration_palu import PaluLlamaConfig
 from .palu_kernels import PaluQuantizedCache, PaluQuantizedLayer, get_kernel
 
 
-def _key_positions(position_ids, past_len: int, q_len: int, batch: int, device) -> torch.Tensor:
-    """Positions of all keys `[B, past_len + q_len]`: the cache is contiguous up to the first new token."""
+def _key_positions(position_ids, past_len: int, q_len: int, batch: int, device, key_positions=None) -> torch.Tensor:
+    """Positions of all keys `[B, past_len + q_len]`: the caller's `key_positions` if given (a cache with holes),
+    else inferred, the cache being contiguous up to the first new token."""
+    if key_positions is not None:
+        return key_positions.expand(batch, -1)
     if position_ids is None:
         return torch.arange(past_len + q_len, device=device)[None].expand(batch, -1)
     past = position_ids[:, :1] - past_len + torch.arange(past_len, device=device)[None]  # [B or 1, past_len]
     return torch.cat([past, position_ids], dim=-1).expand(batch, -1)
-
-
-def _positions(key_positions, position_ids, past_len: int, q_len: int, batch: int, device) -> torch.Tensor:
-    """The caller's key positions `[B, past_len + q_len]` if given (a cache with holes), else inferred from slots."""
-    if key_positions is not None:
-        return key_positions.expand(batch, -1)
-    return _key_positions(position_ids, past_len, q_len, batch, device)
 
 
 def _masked_softmax(scores: torch.Tensor, attention_mask, past_len: int) -> torch.Tensor:
@@ -130,7 +126,7 @@ class PaluAttentionMixin:
             layer = self._quantized_layer(past_key_values)
             past_len = layer.get_seq_length()
             layer.append(latent_k, latent_v)  # each new token is quantized once
-            positions = _positions(key_positions, position_ids, past_len, q_len, bsz, hidden_states.device)
+            positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)
             scores = layer.key_scores(query_states, self.k_up, positions, inv_freq, backend=backend, **rope)
             probs = _masked_softmax(scores, attention_mask, past_len)
             attn_output = layer.attend_values(probs, backend=backend)  # [B, H, q, r_v]
@@ -139,7 +135,7 @@ class PaluAttentionMixin:
             if past_key_values is not None:
                 past_len = past_key_values.get_seq_length(self.layer_idx)
                 latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
-            positions = _positions(key_positions, position_ids, past_len, q_len, bsz, hidden_states.device)
+            positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)
             kernel = get_kernel("rope_key_scores", backend)
             scores = kernel(query_states, latent_k, self.k_up, positions, inv_freq, **rope)  # [B, H, q, S]
             probs = _masked_softmax(scores, attention_mask, past_len)

@@ -65,7 +65,6 @@ def select_cache_positions(cache, prefix_length: int, tail_index: torch.LongTens
     absolute = None
     kept = tail_index.shape[1]
     in_place = torch.equal(tail_index, torch.arange(kept, device=tail_index.device).expand_as(tail_index))
-    gather_index = {}  # device -> index
     for layer in cache.layers:
         if hasattr(layer, "select_positions"):
             if absolute is None:
@@ -76,10 +75,7 @@ def select_cache_positions(cache, prefix_length: int, tail_index: torch.LongTens
             continue
         if layer.keys is None or layer.keys.numel() == 0:
             continue
-        device = layer.keys.device
-        if not in_place and device not in gather_index:
-            gather_index[device] = tail_index.to(device)
-        index = None if in_place else gather_index[device]
+        index = None if in_place else tail_index.to(layer.keys.device)
         layer.keys = _keep_tail(layer.keys, prefix_length, index, kept)
         layer.values = _keep_tail(layer.values, prefix_length, index, kept)
 

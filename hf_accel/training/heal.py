@@ -427,7 +427,7 @@ def _build_trainer(args: HealingArguments) -> tuple[HealingTrainer, object, Perp
             texts, tokenizer, args.train_seq_len, args.text_column, args.max_train_blocks
         )
     callback = _perplexity_callback(args, tokenizer, teacher)
-    callbacks = [c for c in (callback,) if c is not None]
+    callbacks = [callback] if callback is not None else []
     if args.max_train_minutes is not None:
         callbacks.append(TimeBudgetCallback(args.max_train_minutes))
     trainer = HealingTrainer(

@@ -112,11 +112,14 @@ INDEX_FILES = ("header.json", "tokens.u32", "sa.bin", "first.npy")
 def resolve_index_dir(name_or_path: str | Path) -> Path:
     """A local index directory as is; otherwise `name_or_path` is taken as a Hub repo id and its snapshot (index
     files only) is fetched or found in the Hugging Face cache."""
-    path = Path(name_or_path)
-    if path.is_dir() or str(name_or_path).count("/") != 1 or path.is_absolute() or str(name_or_path).startswith("."):
-        return path
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    from ...loading import looks_like_local_path
+
+    path = Path(name_or_path)
+    if looks_like_local_path(str(name_or_path)) or str(name_or_path).count("/") != 1:
+        return path
 
     try:
         return Path(snapshot_download(str(name_or_path), allow_patterns=list(INDEX_FILES)))
