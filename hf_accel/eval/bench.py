@@ -7,7 +7,8 @@ Measurement rules (DESIGN.md, "Measuring"): one warm-up generation per method, e
 category (so per-category times are exact); `tokens_per_s` = generated tokens (up to and including EOS) / wall
 time; `speedup` = tokens_per_s / vanilla's in the same run; `mean_accepted` = tokens produced per target forward
 pass after the prefill, per row, bonus token included (vanilla is 1 by construction; drafters report
-the engine's per-row histogram); `identical` = every greedy output equals
+the engine's per-row histogram); `target_passes` = forward calls of the target, prefills included (at batch > 1 a
+pass serves every active row, so the batch's slowest row sets this count); `identical` = every greedy output equals
 vanilla's token for token (None when sampling).
 """
 
@@ -30,6 +31,7 @@ class MethodRun:
     # category -> tokens committed by target passes after the prefill, and the (row, pass) pairs that made them
     accepted: dict = field(default_factory=lambda: defaultdict(int))
     row_passes: dict = field(default_factory=lambda: defaultdict(int))
+    target_passes: dict = field(default_factory=lambda: defaultdict(int))  # category -> target forward calls
     note: str | None = None
 
 
@@ -122,6 +124,7 @@ def run_method(
             accepted, row_passes = _acceptance(method, extra, rows, counter.calls)
             run.accepted[category] += accepted
             run.row_passes[category] += row_passes
+            run.target_passes[category] += counter.calls
     finally:
         counter.remove()
     return run
@@ -163,6 +166,7 @@ def summarize(runs: dict[str, MethodRun], prompts: list[BenchPrompt], do_sample:
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "mean_accepted": sum(run.accepted[c] for c in cats) / row_passes if row_passes else None,
+            "target_passes": sum(run.target_passes[c] for c in cats),
         }
         if vanilla is not None:
             base = sum(len(vanilla.outputs[i]) for i in ids) / sum(vanilla.seconds[c] for c in cats)

@@ -22,6 +22,8 @@ def test_bench_generate_reports_design_keys(default_model):
         assert set(figures["per_category"]) == {"humaneval"}
     assert result["methods"]["vanilla"]["speedup"] == 1.0
     assert result["methods"]["vanilla"]["mean_accepted"] == pytest.approx(1.0)
+    # one batch of 2 rows that both run to max_new_tokens (no EOS this early): a prefill + 11 decoding passes
+    assert result["methods"]["vanilla"]["target_passes"] == 12
     assert "row by row" in result["methods"]["pld"]["note"]
 
 
@@ -35,6 +37,7 @@ def test_summarize_speedup_and_identity_by_hand():
     fast.seconds.update(x=1.0, y=1.0)
     fast.accepted.update(x=3, y=1)
     fast.row_passes.update(x=1, y=1)
+    fast.target_passes.update(x=2, y=2)
     out = summarize({"vanilla": vanilla, "fast": fast}, prompts, do_sample=False)
     assert out["vanilla"]["tokens_per_s"] == pytest.approx(6 / 3.0)
     assert out["fast"]["speedup"] == pytest.approx((6 / 2.0) / (6 / 3.0))
@@ -43,6 +46,7 @@ def test_summarize_speedup_and_identity_by_hand():
         "seconds": 1.0,
         "tokens_per_s": 4.0,
         "mean_accepted": 3.0,
+        "target_passes": 2,
         "speedup": 2.0,
         "identical": True,
     }
