@@ -4,11 +4,14 @@
   from the shipped self-distillation indexes: chat build set and HumanEval 1–100), and Python standard-library sources
   (every fourth top-level module in sorted order, `textwrap.py` excluded: the demo evaluates on it).
 - `heldout_shakespeare.txt`: tinyshakespeare's second half (never trained or calibrated on).
+- `teacher_samples.txt` (with `--teacher-samples N`): N × 256 tokens sampled from the original model, the same sampler
+  as the held-out text below, on the index-building prompts (chat build set, then HumanEval-style `code_build`), which
+  share none with CARE's held-out prompts: the teacher's own distribution without its evaluation text.
 - `heldout_generated.txt`: text sampled from the original model on CARE's held-out prompts, with the seed and sizes
   `scripts/bench_care.py` uses (10 × 256 tokens, seed 1000), so both experiments score the same kind of text.
 
 Example:
-    python scripts/heal_corpus.py --out runs/heal
+    python scripts/heal_corpus.py --out runs/heal --teacher-samples 640
 """
 
 import argparse
@@ -39,12 +42,14 @@ def self_distilled_responses(tokenizer) -> list[str]:
 
 def main(argv=None) -> int:
     from hf_accel.compress.care_bench import generated_text, split_text
+    from hf_accel.eval.prompts import load_prompts
     from hf_accel.loading import load_model_and_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default=DEFAULT_TEXT)
     p.add_argument("--out", required=True)
+    p.add_argument("--teacher-samples", type=int, default=0, help="also write teacher_samples.txt (N x 256 tokens)")
     args = p.parse_args(argv)
 
     model, tokenizer = load_model_and_tokenizer(args.model)
@@ -57,10 +62,13 @@ def main(argv=None) -> int:
     (out / "heldout_shakespeare.txt").write_text(second, encoding="utf-8")
     generated = generated_text(model, tokenizer, num_samples=10, seq_len=256, seed=1000)
     (out / "heldout_generated.txt").write_text(generated, encoding="utf-8")
-    sizes = {
-        name: len(tokenizer((out / name).read_text(encoding="utf-8")).input_ids)
-        for name in sorted(("train.txt", "heldout_shakespeare.txt", "heldout_generated.txt"))
-    }
+    names = ["train.txt", "heldout_shakespeare.txt", "heldout_generated.txt"]
+    if args.teacher_samples:
+        prompts = [p.text for name in ("chat_build", "code_build") for p in load_prompts(name)]
+        samples = generated_text(model, tokenizer, args.teacher_samples, seq_len=256, seed=0, prompts=prompts)
+        (out / "teacher_samples.txt").write_text(samples, encoding="utf-8")
+        names.append("teacher_samples.txt")
+    sizes = {name: len(tokenizer((out / name).read_text(encoding="utf-8")).input_ids) for name in sorted(names)}
     print(json.dumps({"out": str(out), "tokens": sizes}))
     return 0
 
