@@ -60,7 +60,7 @@ def main():
             overrides = dict(zip(keys, values))
             for use_index in json.loads(os.environ.get("SIM_INDEX", "[false, true]")):
                 drafter = InfinigramDrafter(index if use_index else None, config=InfinigramConfig(**overrides))
-                r = simulate_greedy(drafter, cases)
+                r = simulate_greedy(drafter, cases, max_depth=drafter.config.max_depth)
                 print(
                     json.dumps(
                         {
