@@ -4,8 +4,10 @@
     python scripts/bench_palu.py --json               # one JSON object
     python scripts/bench_palu.py --group-sizes 3 --kv-keeps 0.5 --eval-tokens 4096
 
-Calibration: the first 90 % of tinyshakespeare (random windows); evaluation: its last 10 % (held out), and with
-`--generated-samples N` also N held-out sequences sampled from the original model. Grid: group sizes × uniform/Fisher
+Calibration: the first 90 % of tinyshakespeare (random windows), plus with `--calib-generated-samples N` N sequences
+the model samples on its calibration prompts (CARE's mixed calibration); evaluation: its last 10 % (held out), and
+with `--generated-samples N` also N held-out sequences sampled from the original model on CARE's held-out prompts.
+`--care-methods care` adds CARE conversions at the same budgets, from the same calibration and evaluation. Grid: group sizes × uniform/Fisher
 ranks × kv-keep, each unquantized and at 2/3/4 bits, with and without the Walsh–Hadamard rotation.
 """
 
@@ -32,8 +34,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-keeps", type=float, nargs="+", default=list(d.kv_keeps))
     parser.add_argument("--bits", type=int, nargs="*", default=list(d.bits))
     parser.add_argument("--no-hadamard-bits", type=int, nargs="*", default=list(d.no_hadamard_bits))
+    parser.add_argument(
+        "--care-methods", nargs="*", default=list(d.care_methods), help="CARE rows at the same budgets (e.g. care)"
+    )
     for name in (
         "calib_samples",
+        "calib_generated_samples",
         "calib_seq_len",
         "fisher_samples",
         "rank_multiple",
@@ -58,6 +64,8 @@ def main(argv=None) -> int:
         bits=tuple(args.bits),
         no_hadamard_bits=tuple(args.no_hadamard_bits),
         calib_samples=args.calib_samples,
+        calib_generated_samples=args.calib_generated_samples,
+        care_methods=tuple(args.care_methods),
         calib_seq_len=args.calib_seq_len,
         fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,

@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prefix = torch.randint(0, vocab, (1, args.context), generator=generator)
-    ms = {}
+    ms, head_ms = {}, {}
+    head = model.get_output_embeddings()
     with torch.no_grad():
         for n in args.tokens:
             times = []
@@ -46,18 +47,26 @@ def main(argv=None) -> int:
                 model(input_ids=new, past_key_values=cache, use_cache=True)
                 times.append(time.perf_counter() - start)
             ms[n] = 1000 * statistics.median(times[2:])
+            hidden = torch.randn(1, n, model.config.hidden_size, generator=generator)
+            times = []
+            for _ in range(args.repeats + 2):
+                start = time.perf_counter()
+                head(hidden)
+                times.append(time.perf_counter() - start)
+            head_ms[n] = 1000 * statistics.median(times[2:])
     result = {
         "model": args.model,
         "context": args.context,
         "threads": torch.get_num_threads(),
         "ms": {str(n): round(v, 1) for n, v in ms.items()},
         "relative": {str(n): round(v / ms[args.tokens[0]], 2) for n, v in ms.items()},
+        "head_ms": {str(n): round(v, 1) for n, v in head_ms.items()},
     }
     if args.json:
         print(json.dumps(result))
     else:
         for n in args.tokens:
-            print(f"n = {n:3d}: {ms[n]:7.1f} ms  ({ms[n] / ms[args.tokens[0]]:.2f}x)")
+            print(f"n = {n:3d}: {ms[n]:7.1f} ms  ({ms[n] / ms[args.tokens[0]]:.2f}x), output projection {head_ms[n]:.1f} ms")
     return 0
 
 

@@ -46,17 +46,11 @@ def generated_text(model, tokenizer, num_samples: int, seq_len: int, seed: int, 
     return "\n\n".join(tokenizer.batch_decode(ids, skip_special_tokens=True))
 
 
-def calibrate_mixed(
-    model,
-    tokenizer,
-    text: str | None,
-    text_samples: int,
-    generated_samples: int,
-    seq_len: int,
-    seed: int = 0,
-    with_output_grads: bool = True,
-) -> KvCalibration:
-    """One calibration over `text_samples` windows of `text` plus `generated_samples` model-generated sequences."""
+def mixed_calibration_ids(
+    model, tokenizer, text: str | None, text_samples: int, generated_samples: int, seq_len: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask)` `[text_samples + generated_samples, seq_len]`: random windows of `text`, then
+    sequences sampled from the model on [`CALIBRATION_PROMPTS`] (the calibration both benchmarks share)."""
     parts, masks = [], []
     if text and text_samples:
         ids = chunk_token_ids(tokenizer(text, add_special_tokens=False)["input_ids"], text_samples, seq_len, seed)
@@ -68,7 +62,22 @@ def calibrate_mixed(
         masks.append(mask)
     if not parts:
         raise ValueError("no calibration data: give text samples or generated samples")
-    calibration = collect_kv_calibration(model, torch.cat(parts), torch.cat(masks), 8, with_output_grads)
+    return torch.cat(parts), torch.cat(masks)
+
+
+def calibrate_mixed(
+    model,
+    tokenizer,
+    text: str | None,
+    text_samples: int,
+    generated_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    with_output_grads: bool = True,
+) -> KvCalibration:
+    """One calibration over `text_samples` windows of `text` plus `generated_samples` model-generated sequences."""
+    ids, mask = mixed_calibration_ids(model, tokenizer, text, text_samples, generated_samples, seq_len, seed)
+    calibration = collect_kv_calibration(model, ids, mask, 8, with_output_grads)
     calibration.meta.update(text_samples=text_samples, generated_samples=generated_samples, seq_len=seq_len)
     return calibration
 

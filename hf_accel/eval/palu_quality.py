@@ -7,6 +7,11 @@ reports perplexity on held-out text (and on held-out model-generated text when a
 bytes per token: the bytes held by the cache after a short prefill, divided by the tokens cached. Float caches are
 measured with the model in bfloat16 (2-byte latents, like the fp16 baseline); quantized caches hold packed codes plus
 float16 scales and zero-points whatever the model dtype.
+
+With `calib_generated_samples`, the calibration is CARE's mixed one (text windows + sequences the model sampled on
+its calibration prompts), and with `care_methods` CARE conversions at the same budgets join the table, from the same
+calibration statistics and scored by the same evaluation: one protocol for both converters. The held-out generated
+text is sampled on CARE's held-out prompts (`EVAL_PROMPTS`), none of which calibrates.
 """
 
 import copy
@@ -31,7 +36,9 @@ class PaluBenchConfig:
     kv_keeps: tuple = (0.75, 0.5)
     bits: tuple = (2, 3, 4)
     no_hadamard_bits: tuple = (2, 3, 4)  # bit widths also measured without the Hadamard rotation
-    calib_samples: int = 32
+    calib_samples: int = 32  # text windows
+    calib_generated_samples: int = 0  # + model-generated calibration sequences (CARE's mixed calibration)
+    care_methods: tuple = ()  # CARE conversions at each kv-keep, same calibration and evaluation (e.g. ("care",))
     calib_seq_len: int = 256
     fisher_samples: int = 8
     rank_multiple: int = 8
@@ -99,31 +106,39 @@ def run_palu_quality_benchmark(
         held_out_text (`str`): evaluation text, disjoint from the calibration text.
         config ([`PaluBenchConfig`], *optional*): the grid and sizes.
     """
-    from ..compress.calibration import collect_kv_calibration, generate_calibration_ids, tokenize_calibration_text
+    from ..compress.calibration import collect_kv_calibration, generate_calibration_ids
+    from ..compress.care import convert_care
+    from ..compress.care_bench import EVAL_PROMPTS, mixed_calibration_ids
     from ..compress.fisher import collect_fisher_scores
     from ..compress.palu import convert_palu
 
     config = config or PaluBenchConfig()
     timings = {}
     start = time.perf_counter()
-    ids = tokenize_calibration_text(
-        tokenizer, calibration_text, config.calib_samples, config.calib_seq_len, seed=config.seed
+    ids, mask = mixed_calibration_ids(
+        model, tokenizer, calibration_text, config.calib_samples, config.calib_generated_samples,
+        config.calib_seq_len, seed=config.seed,
+    )  # fmt: skip
+    calibration = collect_kv_calibration(
+        model, ids, mask, with_output_grads=bool(config.care_methods), progress=progress
     )
-    calibration = collect_kv_calibration(model, ids, progress=progress)
     timings["calibration_s"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
-    fisher = collect_fisher_scores(model, ids[: config.fisher_samples], progress=progress)
+    generated_rows = config.fisher_samples // 2 if config.calib_generated_samples else 0  # half text, half generated
+    fisher_ids = torch.cat([ids[: config.fisher_samples - generated_rows], ids[config.calib_samples :][:generated_rows]])
+    fisher = collect_fisher_scores(model, fisher_ids, progress=progress)
     timings["fisher_s"] = round(time.perf_counter() - start, 1)
     generated = None
     if config.generated_samples:
         start = time.perf_counter()
-        # a seed unlike the calibration's: held-out samples of the model's own text
+        # held-out prompts and a seed unlike the calibration's: held-out samples of the model's own text
         generated, _ = generate_calibration_ids(
             model,
             tokenizer,
             config.generated_samples,
             config.generated_seq_len,
             seed=config.seed + 1000,
+            prompts=EVAL_PROMPTS,
             progress=progress,
         )
         timings["generation_s"] = round(time.perf_counter() - start, 1)
@@ -153,6 +168,7 @@ def run_palu_quality_benchmark(
             for bits in bits_list:
                 palu.config.palu_quant_bits = bits  # a runtime setting: same factors, other cache
                 row = {
+                    "converter": "palu",
                     "group_size": group_size,
                     "ranks": ranks,
                     "kv_keep": kv_keep,
@@ -164,6 +180,15 @@ def run_palu_quality_benchmark(
                 rows.append(row)
                 if progress:
                     tqdm.write(json.dumps(row), file=sys.stderr)
+    for method in tqdm(config.care_methods, desc="care configs", disable=not progress):
+        for kv_keep in config.kv_keeps:
+            care = convert_care(model, tokenizer, kv_keep=kv_keep, method=method, calibration=calibration, progress=False)
+            row = {"converter": "care", "group_size": None, "ranks": method, "kv_keep": kv_keep}
+            row.update(hadamard=False, bits=0)
+            row.update(_evaluate(care, tokenizer, held_out_text, generated, config, probe_ids))
+            rows.append(row)
+            if progress:
+                tqdm.write(json.dumps(row), file=sys.stderr)
     settings = {k: v for k, v in vars(config).items() if k != "extra"}
     return {"base": base, "rows": rows, "timings": timings, "settings": settings}
 
@@ -184,5 +209,6 @@ def format_palu_table(report: dict) -> str:
     for r in report["rows"]:
         wht = "yes" if r["hadamard"] else "no"
         bits = r["bits"] or 16
-        lines.append(f"| {r['group_size']} | {r['ranks']} | {r['kv_keep']} | {wht} | {bits} |" + fmt(r))
+        gs = "CARE" if r.get("converter") == "care" else r["group_size"]
+        lines.append(f"| {gs} | {r['ranks']} | {r['kv_keep']} | {wht} | {bits} |" + fmt(r))
     return "\n".join(lines)
