@@ -66,7 +66,9 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         for n in args.tokens:
-            print(f"n = {n:3d}: {ms[n]:7.1f} ms  ({ms[n] / ms[args.tokens[0]]:.2f}x), output projection {head_ms[n]:.1f} ms")
+            print(
+                f"n = {n:3d}: {ms[n]:7.1f} ms  ({ms[n] / ms[args.tokens[0]]:.2f}x), output projection {head_ms[n]:.1f} ms"
+            )
     return 0
 
 

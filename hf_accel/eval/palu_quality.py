@@ -125,7 +125,9 @@ def run_palu_quality_benchmark(
     timings["calibration_s"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
     generated_rows = config.fisher_samples // 2 if config.calib_generated_samples else 0  # half text, half generated
-    fisher_ids = torch.cat([ids[: config.fisher_samples - generated_rows], ids[config.calib_samples :][:generated_rows]])
+    fisher_ids = torch.cat(
+        [ids[: config.fisher_samples - generated_rows], ids[config.calib_samples :][:generated_rows]]
+    )
     fisher = collect_fisher_scores(model, fisher_ids, progress=progress)
     timings["fisher_s"] = round(time.perf_counter() - start, 1)
     generated = None
@@ -182,7 +184,9 @@ def run_palu_quality_benchmark(
                     tqdm.write(json.dumps(row), file=sys.stderr)
     for method in tqdm(config.care_methods, desc="care configs", disable=not progress):
         for kv_keep in config.kv_keeps:
-            care = convert_care(model, tokenizer, kv_keep=kv_keep, method=method, calibration=calibration, progress=False)
+            care = convert_care(
+                model, tokenizer, kv_keep=kv_keep, method=method, calibration=calibration, progress=False
+            )
             row = {"converter": "care", "group_size": None, "ranks": method, "kv_keep": kv_keep}
             row.update(hadamard=False, bits=0)
             row.update(_evaluate(care, tokenizer, held_out_text, generated, config, probe_ids))
