@@ -30,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--text", default=str(SHAKESPEARE), help="text file: calibration 90 %%, evaluation 10 %%")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--group-sizes", type=int, nargs="+", default=list(d.group_sizes))
-    parser.add_argument("--ranks", nargs="+", default=list(d.rank_methods), choices=["uniform", "fisher"])
+    parser.add_argument("--ranks", nargs="+", default=list(d.rank_methods), choices=["uniform", "fisher", "kfac"])
     parser.add_argument("--kv-keeps", type=float, nargs="+", default=list(d.kv_keeps))
     parser.add_argument("--bits", type=int, nargs="*", default=list(d.bits))
     parser.add_argument("--no-hadamard-bits", type=int, nargs="*", default=list(d.no_hadamard_bits))

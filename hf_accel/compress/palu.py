@@ -2,7 +2,8 @@
 
 Pipeline (spec 002 §2, issue 4): calibrate the k/v-projection input second moments on the original model (shared with
 CARE, [`collect_kv_calibration`]); allocate per-layer group ranks for K and V, uniform or Fisher-proportional under one
-global budget ([`allocate_fisher_ranks`]); factorize every group of `s` KV heads with the whitened (truncation-aware)
+global budget ([`allocate_fisher_ranks`]), or CARE's loss-weighted allocation (`kfac`: SVD of `√C·W_g·√G_g` per group,
+water-filled, [`kfac_group_ranks`]); factorize every group of `s` KV heads with the whitened (truncation-aware)
 SVD shared with CARE ([`factorize`] with `S = √C_λ`); optionally fold a Walsh–Hadamard rotation into each group's
 factors; fold the value reconstruction into `o_proj`; build a `PaluLlamaForCausalLM` whose cache holds
 `n_g·(r_k + r_v)` numbers (or packed low-bit codes) per token per layer.
@@ -25,9 +26,10 @@ import torch
 from .calibration import collect_kv_calibration, load_calibration_text, tokenize_calibration_text
 from .factorize import factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
+from .ranks import water_fill
 
 
-RANK_METHODS = ("uniform", "fisher")
+RANK_METHODS = ("uniform", "fisher", "kfac")
 QUANT_BITS = (0, 2, 3, 4)
 _PAPER = {"title": "Palu: KV-Cache Compression with Low-Rank Projection", "arxiv": "2407.21118"}
 
@@ -38,7 +40,10 @@ class PaluConversionConfig:
 
     kv_keep: float = field(default=0.5, metadata={"help": "Fraction of the K+V cache width kept, in (0, 1]."})
     group_size: int = field(default=4, metadata={"help": "KV heads per group s (1: M-LRD, all: J-LRD)."})
-    ranks: str = field(default="fisher", metadata={"help": "Rank allocation: 'uniform' or 'fisher'."})
+    ranks: str = field(
+        default="fisher",
+        metadata={"help": "Rank allocation: 'uniform', 'fisher', or 'kfac' (CARE's: SVD of √C·W·√G, water-filled)."},
+    )
     quant_bits: int = field(default=0, metadata={"help": "0 (float latents), or 2/3/4-bit per-token latents."})
     hadamard: bool = field(default=True, metadata={"help": "Fold a Walsh–Hadamard rotation into the factors."})
     rank_multiple: int = field(default=8, metadata={"help": "Every group rank is a multiple of this."})
@@ -154,6 +159,32 @@ def fisher_group_ranks(
     return group_ranks[0::2], group_ranks[1::2]
 
 
+def kfac_group_ranks(
+    sigmas: list[tuple[list[torch.Tensor], list[torch.Tensor]]], width: int, kv_keep: float, multiple: int
+) -> tuple[list[int], list[int]]:
+    """
+    CARE's allocation for Palu groups: water-filling on the K-FAC loss estimate, one rank per layer and projection.
+
+    `sigmas[layer] = (K groups' σ, V groups' σ)`, singular values of `√C·W_g·√G_g` (loss units, comparable across
+    layers, K and V). All groups of a projection share one rank (the cache layout), so a target's marginal gain at
+    rank `i` is `Σ_g σ²_{g,i}`; ranks are handed out in blocks of `multiple` (a block's gain is the sum of its ranks'
+    gains), between one block and the largest multiple of `multiple` ≤ `width`, with `kv_keep · targets · width`
+    rounded to whole blocks as the budget, like [`fisher_group_ranks`].
+
+    Returns:
+        `(k_ranks, v_ranks)`: per layer, the rank of each group.
+    """
+    blocks = width // multiple
+    gains = []
+    for pair in sigmas:
+        for groups in pair:
+            per_rank = sum(sigma.double()[:width] ** 2 for sigma in groups)
+            gains.append(per_rank[: blocks * multiple].reshape(blocks, multiple).sum(-1))
+    budget = min(len(gains) * blocks, max(len(gains), round(kv_keep * len(gains) * width / multiple)))
+    ranks = [multiple * r for r in water_fill(gains, budget, [blocks] * len(gains), floors=1)]
+    return ranks[0::2], ranks[1::2]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Factorization and model building
 
@@ -177,31 +208,45 @@ def factorize_groups(
     num_key_value_heads: int,
     head_dim: int,
     group_size: int,
-    rank: int,
+    rank: int | None,
     alpha: float = 0.05,
     lam_frac: float = 1e-2,
     scales=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out_moment: torch.Tensor | None = None,
+):
     """
     Whitened SVD of every group of one projection, truncated to `rank` (float64).
 
     Args:
         weight (`torch.Tensor` of shape `[in, n_kv · d]`): `linear.weight.T`.
         moment (`torch.Tensor` of shape `[in, in]`, *optional*): input second moment; `None` means plain SVD.
-        rank (`int`): per-group rank.
+        rank (`int`, *optional*): per-group rank; `None` returns the full-rank [`LowRankFactors`] of every group.
         scales (`tuple`, *optional*): precomputed `(S, S⁻¹)` of the layer (shared by K and V).
+        out_moment (`torch.Tensor` of shape `[n_kv · d, n_kv · d]`, *optional*): second moment of the loss gradient
+            at the projection's output; each group is then weighted on both sides, SVD of `√C·W_g·√G_g` (CARE's
+            K-FAC factorization, with `G_g` the group's diagonal block).
 
     Returns:
         `(down [n_g, in, rank], up [n_g, rank, s·d])`, with `x @ down[g] @ up[g] ≈ x @ W_g` under the whitened norm.
     """
     if scales is None and moment is not None:
         scales = symmetric_sqrt(shrink_moment(moment, alpha, lam_frac))
-    downs, ups = [], []
-    for group_weight in group_kv_weight(weight, num_key_value_heads, head_dim, group_size):
-        factors = factorize(group_weight, *scales) if scales is not None else factorize(group_weight)
-        down, up = factors.truncate(rank)
-        downs.append(down)
-        ups.append(up)
+    width = group_size * head_dim
+    groups = []
+    for g, group_weight in enumerate(group_kv_weight(weight, num_key_value_heads, head_dim, group_size)):
+        out_scales = ()
+        if out_moment is not None:
+            block = out_moment[g * width : (g + 1) * width, g * width : (g + 1) * width]
+            out_scales = symmetric_sqrt(shrink_moment(block, alpha, lam_frac))
+        groups.append(factorize(group_weight, *(scales or (None, None)), *out_scales))
+    if rank is None:
+        return groups
+    return truncate_groups(groups, rank)
+
+
+def truncate_groups(groups, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked rank-`rank` factors `(down [n_g, in, rank], up [n_g, rank, s·d])` of full-rank group factors."""
+    downs, ups = zip(*(factors.truncate(rank) for factors in groups))
     return torch.stack(downs), torch.stack(ups)
 
 
@@ -336,8 +381,11 @@ def convert_palu(
     input_ids = None
     if calibration is None or (conversion.ranks == "fisher" and fisher_scores is None):
         input_ids = _read_calibration(model, tokenizer, calibration_text, conversion)
+    kfac = conversion.ranks == "kfac"
     if calibration is None:
-        calibration = collect_kv_calibration(model, input_ids, progress=progress)
+        calibration = collect_kv_calibration(model, input_ids, with_output_grads=kfac, progress=progress)
+    if kfac and calibration.k_grad_moments is None:
+        raise ValueError("ranks='kfac' needs output-gradient moments: calibrate with with_output_grads=True")
     timings = {"calibration_s": time.perf_counter() - start}
     scores = None
     if conversion.ranks == "fisher":
@@ -347,24 +395,27 @@ def convert_palu(
             scores = collect_fisher_scores(model, input_ids[: conversion.fisher_samples], progress=progress)
         k_ranks, v_ranks = fisher_group_ranks(scores, width, num_groups, kv_keep, conversion.rank_multiple)
         timings["fisher_s"] = time.perf_counter() - start
-    else:
+    elif conversion.ranks == "uniform":
         k_ranks, v_ranks = uniform_group_ranks(width, kv_keep, conversion.rank_multiple, num_layers)
     start = time.perf_counter()
-    layer_factors = []
     all_scales = _layer_scales(calibration, conversion.alpha, conversion.lam_frac)
+    full = []  # per layer: (K groups, V groups) full-rank factors
     for idx, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        scales = all_scales[idx]
-        common = {
-            "num_key_value_heads": n_kv,
-            "head_dim": head_dim,
-            "group_size": group_size,
-            "scales": scales,
-            "moment": None,
-        }
-        k_down, k_up = factorize_groups(attn.k_proj.weight.detach().T, rank=k_ranks[idx], **common)
-        v_down, v_up = factorize_groups(attn.v_proj.weight.detach().T, rank=v_ranks[idx], **common)
-        layer_factors.append((k_down, k_up, v_down, v_up))
+        common = {"num_key_value_heads": n_kv, "head_dim": head_dim, "group_size": group_size, "moment": None}
+        common.update(scales=all_scales[idx], rank=None, alpha=conversion.alpha, lam_frac=conversion.lam_frac)
+        grads = (calibration.k_grad_moments[idx], calibration.v_grad_moments[idx]) if kfac else (None, None)
+        projections = (attn.k_proj, attn.v_proj)
+        full.append(
+            tuple(factorize_groups(p.weight.detach().T, out_moment=g, **common) for p, g in zip(projections, grads))
+        )
+    if kfac:
+        sigmas = [tuple([f.sigma for f in groups] for groups in pair) for pair in full]
+        k_ranks, v_ranks = kfac_group_ranks(sigmas, width, kv_keep, conversion.rank_multiple)
+    layer_factors = [
+        (*truncate_groups(k_groups, k_rank), *truncate_groups(v_groups, v_rank))
+        for (k_groups, v_groups), k_rank, v_rank in zip(full, k_ranks, v_ranks)
+    ]
     palu = build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion)
     timings["factorization_s"] = time.perf_counter() - start
     total_width = 2 * num_layers * n_kv * head_dim

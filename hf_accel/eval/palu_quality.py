@@ -120,7 +120,11 @@ def run_palu_quality_benchmark(
         config.calib_seq_len, seed=config.seed,
     )  # fmt: skip
     calibration = collect_kv_calibration(
-        model, ids, mask, with_output_grads=bool(config.care_methods), progress=progress
+        model,
+        ids,
+        mask,
+        with_output_grads=bool(config.care_methods) or "kfac" in config.rank_methods,
+        progress=progress,
     )
     timings["calibration_s"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()

@@ -10,6 +10,7 @@ from hf_accel.compress.palu import (
     fisher_group_ranks,
     fold_values_into_o_proj,
     group_kv_weight,
+    kfac_group_ranks,
     uniform_group_ranks,
 )
 from tests.conftest import make_tiny_llama
@@ -74,10 +75,23 @@ def test_rank_helpers_meet_the_budget():
     assert v_ranks[0] > k_ranks[0] and k_ranks[2] == 64  # more Fisher, more rank; capped at full width
 
 
-@pytest.mark.parametrize("group_size", [1, 2, 4])
-def test_full_rank_reproduces_original_logits(model, tokenizer, group_size):
+def test_kfac_group_ranks_water_fill_blocks_of_summed_energy():
+    width, multiple = 16, 4
+    flat, steep = torch.ones(width), torch.tensor([10.0] * 4 + [0.01] * 12)
+    # layer 0: K has flat spectra in both groups, V is steep; layer 1: K steep, V flat
+    sigmas = [([flat, flat], [steep, steep]), ([steep, steep], [flat, 2 * flat])]
+    k_ranks, v_ranks = kfac_group_ranks(sigmas, width, kv_keep=0.5, multiple=multiple)
+    assert sum(k_ranks) + sum(v_ranks) == 0.5 * 4 * width  # the budget, in group-rank units
+    assert all(r % multiple == 0 and multiple <= r <= width for r in k_ranks + v_ranks)
+    # every target gets its first block; of the 4 blocks left, the 2x-flat V of layer 1 (block gain 4 * (1 + 4) =
+    # 20) takes all 3 it can, layer 0's flat K (block gain 8) the last; steep spectra gain nothing past block 0
+    assert (k_ranks, v_ranks) == ([8, 4], [4, 16])
+
+
+@pytest.mark.parametrize("group_size,ranks", [(1, "uniform"), (2, "uniform"), (4, "uniform"), (2, "kfac")])
+def test_full_rank_reproduces_original_logits(model, tokenizer, group_size, ranks):
     palu, info = convert_palu(
-        model, tokenizer, kv_keep=1.0, group_size=group_size, ranks="uniform", calibration_text=CALIB_TEXT, **FAST
+        model, tokenizer, kv_keep=1.0, group_size=group_size, ranks=ranks, calibration_text=CALIB_TEXT, **FAST
     )
     assert info["k_ranks"] == [2 * group_size * 8 // 2] * 2
     ids = _ids()
@@ -190,3 +204,14 @@ def test_default_model_full_rank_and_3bit(default_model, shakespeare_text):
     cache = out.past_key_values
     assert cache.get_cache_bytes() == cache.get_seq_length() * info["cache_bytes_per_token"]
     assert info["cache_bytes_per_token"] <= info["base_cache_bytes_per_token"] / 8
+
+
+def test_kfac_conversion_meets_budget_and_needs_gradient_moments(model, tokenizer):
+    from hf_accel.compress.calibration import collect_kv_calibration
+
+    common = {"kv_keep": 0.5, "group_size": 2, "ranks": "kfac", **FAST}
+    palu, info = convert_palu(model, tokenizer, calibration_text=CALIB_TEXT, **common)
+    assert info["kv_keep_achieved"] == 0.5 and palu.config.palu_v_ranks == info["v_ranks"]
+    no_grads = collect_kv_calibration(model, _ids(4, 32), progress=False)
+    with pytest.raises(ValueError, match="output-gradient moments"):
+        convert_palu(model, tokenizer, calibration=no_grads, **common)
