@@ -1,6 +1,8 @@
 """Tune the Infinigram drafter offline on recorded greedy outputs (a self-distillation cache).
 
     python scripts/simulate_ngram.py --cache IDX/self_distill.jsonl --prompts humaneval --limit 100 --eval-last 20
+    SIM_INDEX='[true]' python scripts/simulate_ngram.py --cache hf_accel/data/indexes/smollm2-135m-code-build/self_distill.jsonl \
+        --prompts humaneval --limit 100 --eval-last 25 --index-other-records --grid '{"prior": [5, 10, 20, 40]}'
 
 Outputs of the first prompts build the index; the last `--eval-last` are decoded in simulation (their own outputs are
 not indexed). Prints mean accepted length and estimated speedup for a grid of settings.
@@ -31,12 +33,18 @@ def main():
     parser.add_argument("--eval-last", type=int, default=20)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--extra-docs", default=None, help="pickled list of token-id documents added to the index")
+    parser.add_argument(
+        "--index-other-records",
+        action="store_true",
+        help="also index the cache's records of other prompt sets (e.g. code_build's in the code-build index)",
+    )
     parser.add_argument("--grid", default="{}", help="JSON dict of InfinigramConfig field -> list of values")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     prompts = {p.question_id: p for p in load_prompts(args.prompts, tokenizer, args.limit, args.offset)}
     with open(args.cache) as f:
         records = [json.loads(line) for line in f if line.strip()]
+    others = [r["tokens"] for r in records if r["question_id"] not in prompts]
     records = [r for r in records if r["question_id"] in prompts]
     order = list(prompts)
     records.sort(key=lambda r: order.index(r["question_id"]))
@@ -45,7 +53,7 @@ def main():
         (tokenizer(prompts[r["question_id"]].text, add_special_tokens=False)["input_ids"], r["tokens"]) for r in held
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        documents = [r["tokens"] for r in build]
+        documents = [r["tokens"] for r in build] + (others if args.index_other_records else [])
         if args.extra_docs:
             import pickle
 

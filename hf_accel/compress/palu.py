@@ -2,8 +2,8 @@
 
 Pipeline (spec 002 §2, issue 4): calibrate the k/v-projection input second moments on the original model (shared with
 CARE, [`collect_kv_calibration`]); allocate per-layer group ranks for K and V, uniform or Fisher-proportional under one
-global budget ([`allocate_fisher_ranks`]), or CARE's loss-weighted allocation (`kfac`: SVD of `√C·W_g·√G_g` per group,
-water-filled, [`kfac_group_ranks`]); factorize every group of `s` KV heads with the whitened (truncation-aware)
+global budget ([`allocate_fisher_ranks`]), or CARE's loss-weighted allocation (`kfac`: water-filling on the singular
+values of `√C·W_g·√G_g`, [`kfac_group_ranks`]); factorize every group of `s` KV heads with the whitened (truncation-aware)
 SVD shared with CARE ([`factorize`] with `S = √C_λ`); optionally fold a Walsh–Hadamard rotation into each group's
 factors; fold the value reconstruction into `o_proj`; build a `PaluLlamaForCausalLM` whose cache holds
 `n_g·(r_k + r_v)` numbers (or packed low-bit codes) per token per layer.
@@ -42,7 +42,7 @@ class PaluConversionConfig:
     group_size: int = field(default=4, metadata={"help": "KV heads per group s (1: M-LRD, all: J-LRD)."})
     ranks: str = field(
         default="fisher",
-        metadata={"help": "Rank allocation: 'uniform', 'fisher', or 'kfac' (CARE's: SVD of √C·W·√G, water-filled)."},
+        metadata={"help": "Rank allocation: 'uniform', 'fisher', or 'kfac' (CARE's: water-filled σ of √C·W·√G)."},
     )
     quant_bits: int = field(default=0, metadata={"help": "0 (float latents), or 2/3/4-bit per-token latents."})
     hadamard: bool = field(default=True, metadata={"help": "Fold a Walsh–Hadamard rotation into the factors."})
@@ -399,18 +399,18 @@ def convert_palu(
         k_ranks, v_ranks = uniform_group_ranks(width, kv_keep, conversion.rank_multiple, num_layers)
     start = time.perf_counter()
     all_scales = _layer_scales(calibration, conversion.alpha, conversion.lam_frac)
-    full = []  # per layer: (K groups, V groups) full-rank factors
+    full, sigmas = [], []  # per layer: (K groups, V groups) full-rank factors; K-FAC σ of each group
     for idx, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         common = {"num_key_value_heads": n_kv, "head_dim": head_dim, "group_size": group_size, "moment": None}
         common.update(scales=all_scales[idx], rank=None, alpha=conversion.alpha, lam_frac=conversion.lam_frac)
-        grads = (calibration.k_grad_moments[idx], calibration.v_grad_moments[idx]) if kfac else (None, None)
-        projections = (attn.k_proj, attn.v_proj)
-        full.append(
-            tuple(factorize_groups(p.weight.detach().T, out_moment=g, **common) for p, g in zip(projections, grads))
-        )
+        weights = (attn.k_proj.weight.detach().T, attn.v_proj.weight.detach().T)
+        full.append(tuple(factorize_groups(w, **common) for w in weights))
+        if kfac:
+            grads = (calibration.k_grad_moments[idx], calibration.v_grad_moments[idx])
+            pair = [factorize_groups(w, out_moment=g, **common) for w, g in zip(weights, grads)]
+            sigmas.append(tuple([f.sigma for f in groups] for groups in pair))
     if kfac:
-        sigmas = [tuple([f.sigma for f in groups] for groups in pair) for pair in full]
         k_ranks, v_ranks = kfac_group_ranks(sigmas, width, kv_keep, conversion.rank_multiple)
     layer_factors = [
         (*truncate_groups(k_groups, k_rank), *truncate_groups(v_groups, v_rank))
