@@ -3,8 +3,10 @@
 Methods: `vanilla` (plain `generate`), `pld` (transformers' prompt lookup, `prompt_lookup_num_tokens`), and
 `<drafter>[:<artifact>]` for hf-accel drafters, run through `model.generate(custom_generate=...)`.
 
-Measurement rules (DESIGN.md, "Measuring"): one warm-up generation per method, excluded; prompts batched within a
-category (so per-category times are exact); `tokens_per_s` = generated tokens (up to and including EOS) / wall
+Measurement rules (DESIGN.md, "Measuring"): one warm-up generation per method, excluded; prompts batched in order,
+across categories, so every batch but the last is full; at batch 1 per-category times are exact, at batch > 1 each
+batch's wall time, accepted tokens and passes are split among its categories by their share of the batch's
+generated tokens (per-category figures are then estimates; the totals are exact); `tokens_per_s` = generated tokens (up to and including EOS) / wall
 time; `speedup` = tokens_per_s / vanilla's in the same run; `mean_accepted` = tokens produced per target forward
 pass after the prefill, per row, bonus token included (vanilla is 1 by construction; drafters report
 the engine's per-row histogram); `target_passes` = forward calls of the target, prefills included (at batch > 1 a
@@ -29,9 +31,9 @@ class MethodRun:
     outputs: dict = field(default_factory=dict)  # question_id -> list[int] of generated tokens
     seconds: dict = field(default_factory=lambda: defaultdict(float))  # category -> wall time
     # category -> tokens committed by target passes after the prefill, and the (row, pass) pairs that made them
-    accepted: dict = field(default_factory=lambda: defaultdict(int))
-    row_passes: dict = field(default_factory=lambda: defaultdict(int))
-    target_passes: dict = field(default_factory=lambda: defaultdict(int))  # category -> target forward calls
+    accepted: dict = field(default_factory=lambda: defaultdict(float))
+    row_passes: dict = field(default_factory=lambda: defaultdict(float))
+    target_passes: dict = field(default_factory=lambda: defaultdict(float))  # category -> target forward calls
     note: str | None = None
 
 
@@ -67,10 +69,18 @@ def _eos_ids(model) -> set[int]:
 
 
 def _batches(prompts: list[BenchPrompt], batch_size: int) -> list[list[BenchPrompt]]:
-    by_category = defaultdict(list)
-    for p in prompts:
-        by_category[p.category].append(p)
-    return [rows[i : i + batch_size] for rows in by_category.values() for i in range(0, len(rows), batch_size)]
+    """Consecutive full batches in prompt order, across categories (a set with 2 prompts per category still runs at
+    the batch size asked for)."""
+    return [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+
+
+def _shares(batch: list[BenchPrompt], rows: list[list[int]]) -> dict[str, float]:
+    """Each category's share of a batch: its rows' generated tokens over the batch's (1.0 for a batch of one)."""
+    weights = [max(len(row), 1) for row in rows]
+    shares = defaultdict(float)
+    for p, w in zip(batch, weights):
+        shares[p.category] += w / sum(weights)
+    return shares
 
 
 def _method_kwargs(method: str, model, tokenizer, pld_tokens: int) -> tuple[dict, bool]:
@@ -116,15 +126,16 @@ def run_method(
             counter.calls = 0
             start = time.perf_counter()
             new_tokens = _generate(model, tokenizer, [p.text for p in batch], generate_kwargs, extra)
-            category = batch[0].category
-            run.seconds[category] += time.perf_counter() - start
+            seconds = time.perf_counter() - start
             rows = [_trim(row, eos, pad) for row in new_tokens]
             for p, row in zip(batch, rows):
                 run.outputs[p.question_id] = row
             accepted, row_passes = _acceptance(method, extra, rows, counter.calls)
-            run.accepted[category] += accepted
-            run.row_passes[category] += row_passes
-            run.target_passes[category] += counter.calls
+            for category, share in _shares(batch, rows).items():
+                run.seconds[category] += share * seconds
+                run.accepted[category] += share * accepted
+                run.row_passes[category] += share * row_passes
+                run.target_passes[category] += share * counter.calls
     finally:
         counter.remove()
     return run
@@ -166,7 +177,7 @@ def summarize(runs: dict[str, MethodRun], prompts: list[BenchPrompt], do_sample:
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "mean_accepted": sum(run.accepted[c] for c in cats) / row_passes if row_passes else None,
-            "target_passes": sum(run.target_passes[c] for c in cats),
+            "target_passes": round(sum(run.target_passes[c] for c in cats)),
         }
         if vanilla is not None:
             base = sum(len(vanilla.outputs[i]) for i in ids) / sum(vanilla.seconds[c] for c in cats)

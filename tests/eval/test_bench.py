@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_accel.cli import main
-from hf_accel.eval.bench import MethodRun, bench_generate, summarize
+from hf_accel.eval.bench import MethodRun, _batches, _shares, bench_generate, summarize
 from hf_accel.eval.prompts import BenchPrompt, load_prompts
 
 
@@ -25,6 +25,15 @@ def test_bench_generate_reports_design_keys(default_model):
     # one batch of 2 rows that both run to max_new_tokens (no EOS this early): a prefill + 11 decoding passes
     assert result["methods"]["vanilla"]["target_passes"] == 12
     assert "row by row" in result["methods"]["pld"]["note"]
+
+
+def test_batches_span_categories_and_split_by_generated_tokens():
+    prompts = [BenchPrompt(str(i), "aabbb"[i], "") for i in range(5)]
+    batches = _batches(prompts, 4)
+    assert [[p.question_id for p in b] for b in batches] == [["0", "1", "2", "3"], ["4"]]  # full batches
+    shares = _shares(batches[0], [[1] * 3, [1], [1] * 4, []])  # 3 + 1 tokens of a, 4 + (empty: 1) of b
+    assert shares == pytest.approx({"a": 4 / 9, "b": 5 / 9})
+    assert _shares(batches[1], [[7, 8]]) == {"b": 1.0}
 
 
 def test_summarize_speedup_and_identity_by_hand():
