@@ -204,33 +204,27 @@ def _check_model(model, group_size: int) -> None:
 
 def factorize_groups(
     weight: torch.Tensor,
-    moment: torch.Tensor | None,
+    scales,
     num_key_value_heads: int,
     head_dim: int,
     group_size: int,
-    rank: int | None,
+    out_moment: torch.Tensor | None = None,
     alpha: float = 0.05,
     lam_frac: float = 1e-2,
-    scales=None,
-    out_moment: torch.Tensor | None = None,
-):
+) -> list:
     """
-    Whitened SVD of every group of one projection, truncated to `rank` (float64).
+    Full-rank whitened SVD of every group of one projection (float64; [`truncate_groups`] cuts them to a rank).
 
     Args:
         weight (`torch.Tensor` of shape `[in, n_kv · d]`): `linear.weight.T`.
-        moment (`torch.Tensor` of shape `[in, in]`, *optional*): input second moment; `None` means plain SVD.
-        rank (`int`, *optional*): per-group rank; `None` returns the full-rank [`LowRankFactors`] of every group.
-        scales (`tuple`, *optional*): precomputed `(S, S⁻¹)` of the layer (shared by K and V).
+        scales (`tuple`): `(S, S⁻¹)` of the layer's input moment, `S = √C_λ` (shared by K and V).
         out_moment (`torch.Tensor` of shape `[n_kv · d, n_kv · d]`, *optional*): second moment of the loss gradient
             at the projection's output; each group is then weighted on both sides, SVD of `√C·W_g·√G_g` (CARE's
-            K-FAC factorization, with `G_g` the group's diagonal block).
+            K-FAC weighting, `G_g` the group's diagonal block, shrunk with `alpha` and `lam_frac`).
 
     Returns:
-        `(down [n_g, in, rank], up [n_g, rank, s·d])`, with `x @ down[g] @ up[g] ≈ x @ W_g` under the whitened norm.
+        `list[LowRankFactors]`, one per group, with `x @ down @ up = x @ W_g` at full rank.
     """
-    if scales is None and moment is not None:
-        scales = symmetric_sqrt(shrink_moment(moment, alpha, lam_frac))
     width = group_size * head_dim
     groups = []
     for g, group_weight in enumerate(group_kv_weight(weight, num_key_value_heads, head_dim, group_size)):
@@ -238,10 +232,8 @@ def factorize_groups(
         if out_moment is not None:
             block = out_moment[g * width : (g + 1) * width, g * width : (g + 1) * width]
             out_scales = symmetric_sqrt(shrink_moment(block, alpha, lam_frac))
-        groups.append(factorize(group_weight, *(scales or (None, None)), *out_scales))
-    if rank is None:
-        return groups
-    return truncate_groups(groups, rank)
+        groups.append(factorize(group_weight, *scales, *out_scales))
+    return groups
 
 
 def truncate_groups(groups, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,8 +394,8 @@ def convert_palu(
     full, sigmas = [], []  # per layer: (K groups, V groups) full-rank factors; K-FAC σ of each group
     for idx, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        common = {"num_key_value_heads": n_kv, "head_dim": head_dim, "group_size": group_size, "moment": None}
-        common.update(scales=all_scales[idx], rank=None, alpha=conversion.alpha, lam_frac=conversion.lam_frac)
+        common = {"num_key_value_heads": n_kv, "head_dim": head_dim, "group_size": group_size}
+        common.update(scales=all_scales[idx], alpha=conversion.alpha, lam_frac=conversion.lam_frac)
         weights = (attn.k_proj.weight.detach().T, attn.v_proj.weight.detach().T)
         full.append(tuple(factorize_groups(w, **common) for w in weights))
         if kfac:
