@@ -5,12 +5,12 @@ Methods: `vanilla` (plain `generate`), `pld` (transformers' prompt lookup, `prom
 
 Measurement rules (DESIGN.md, "Measuring"): one warm-up generation per method, excluded; prompts batched in order,
 across categories, so every batch but the last is full; at batch 1 per-category times are exact, at batch > 1 each
-batch's wall time, accepted tokens and passes are split among its categories by their share of the batch's
-generated tokens (per-category figures are then estimates; the totals are exact); `tokens_per_s` = generated tokens (up to and including EOS) / wall
-time; `speedup` = tokens_per_s / vanilla's in the same run; `mean_accepted` = tokens produced per target forward
-pass after the prefill, per row, bonus token included (vanilla is 1 by construction; drafters report
-the engine's per-row histogram); `target_passes` = forward calls of the target, prefills included (at batch > 1 a
-pass serves every active row, so the batch's slowest row sets this count); `identical` = every greedy output equals
+batch's wall time, accepted tokens and passes are split among its categories by their share of the batch's generated
+tokens (per-category figures are then estimates; the totals are exact); `tokens_per_s` = generated tokens (up to and
+including EOS) / wall time; `speedup` = tokens_per_s / vanilla's in the same run; `mean_accepted` = tokens produced
+per target forward pass after the prefill, per row, bonus token included (vanilla is 1 by construction; drafters
+report the engine's per-row histogram); `target_passes` = forward calls of the target, prefills included (at batch > 1
+a pass serves every active row, so the batch's slowest row sets this count); `identical` = every greedy output equals
 vanilla's token for token (None when sampling).
 """
 
