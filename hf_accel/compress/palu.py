@@ -52,7 +52,10 @@ class PaluConversionConfig:
     fisher_samples: int = field(default=16, metadata={"help": "Sequences (one backward each) for Fisher scores."})
     alpha: float = field(default=0.05, metadata={"help": "Shrinkage α of C_λ = (1−α)C + αλI (shared with CARE)."})
     lam_frac: float = field(default=1e-2, metadata={"help": "λ as a fraction of λ_max(C)."})
-    quant_group_size: int = field(default=0, metadata={"help": "Channels per scale/zero; 0: a group's whole latent."})
+    quant_group_size: int = field(
+        default=0,
+        metadata={"help": "Channels per scale/zero-point; 0: a group's whole latent. Must divide rank_multiple."},
+    )
     residual_length: int = field(default=0, metadata={"help": "Recent tokens also cached in full precision."})
     kernel_backend: str = field(default="eager", metadata={"help": "'eager' or 'triton' kernels at run time."})
     seed: int = field(default=3, metadata={"help": "Seed of the calibration window sampling."})
@@ -70,6 +73,13 @@ class PaluConversionConfig:
             raise ValueError(f"quant_bits must be one of {QUANT_BITS}, got {self.quant_bits!r}")
         if not isinstance(self.rank_multiple, int) or self.rank_multiple < 1:
             raise ValueError(f"rank_multiple must be a positive integer, got {self.rank_multiple!r}")
+        if not isinstance(self.quant_group_size, int) or self.quant_group_size < 0 or (
+            self.quant_group_size and self.rank_multiple % self.quant_group_size
+        ):
+            raise ValueError(
+                f"quant_group_size must be 0 (one scale per latent) or divide rank_multiple {self.rank_multiple}, so "
+                f"that it divides every group rank; got {self.quant_group_size!r}"
+            )
         if self.calib_samples < 1 or self.calib_seq_len < 2 or (self.ranks == "fisher" and self.fisher_samples < 1):
             raise ValueError("calib_samples, fisher_samples must be ≥ 1 and calib_seq_len ≥ 2")
         if not 0.0 <= self.alpha < 1.0:
@@ -541,7 +551,8 @@ def save_palu(
     try:
         write_palu_kernels_file(tmp / "palu_kernels.py")  # before save_artifact: it keeps files already there
         (tmp / "palu_ranks.json").write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
-        settings = {k: info["settings"][k] for k in ("kv_keep", "group_size", "ranks", "quant_bits", "hadamard")}
+        keys = ("kv_keep", "group_size", "ranks", "quant_bits", "quant_group_size", "hadamard")
+        settings = {k: info["settings"][k] for k in keys}
         settings.update(kv_keep_achieved=round(info["kv_keep_achieved"], 4), grouping=info["grouping"])
         save_artifact(
             tmp,
@@ -577,6 +588,9 @@ def add_palu_parser(convert_commands) -> None:
     parser.add_argument("--group-size", type=int, default=4, help="KV heads per group (must divide the KV heads)")
     parser.add_argument("--ranks", choices=RANK_METHODS, default="fisher")
     parser.add_argument("--quant-bits", type=int, choices=QUANT_BITS, default=0)
+    parser.add_argument(
+        "--quant-group-size", type=int, default=0, help="channels per scale/zero-point (0: whole latent; divides --rank-multiple)"
+    )
     parser.add_argument("--no-hadamard", action="store_true", help="do not fold the Walsh–Hadamard rotation")
     parser.add_argument("--calib", required=True, help="calibration text file, or hf:<dataset>[:<config>]")
     parser.add_argument("--calib-samples", type=int, default=64)
@@ -611,6 +625,7 @@ def _run_convert_palu(args) -> int:
         group_size=args.group_size,
         ranks=args.ranks,
         quant_bits=args.quant_bits,
+        quant_group_size=args.quant_group_size,
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
         fisher_samples=args.fisher_samples,
@@ -637,6 +652,7 @@ def _run_convert_palu(args) -> int:
         calib_seq_len=args.calib_seq_len,
         fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,
+        quant_group_size=args.quant_group_size,
     )
     save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
     summary = {
@@ -647,6 +663,7 @@ def _run_convert_palu(args) -> int:
         "group_size": args.group_size,
         "ranks": args.ranks,
         "quant_bits": args.quant_bits,
+        "quant_group_size": args.quant_group_size,
         "hadamard": not args.no_hadamard,
         "k_ranks": info["k_ranks"],
         "v_ranks": info["v_ranks"],

@@ -142,6 +142,25 @@ def test_bad_inputs_raise_clear_errors(model, tokenizer):
         convert_palu(model, tokenizer, quant_bits=5, calibration_text=CALIB_TEXT)
     with pytest.raises(ValueError, match="calibration text too short"):
         convert_palu(model, tokenizer, calibration_text="too short", **FAST)
+    with pytest.raises(ValueError, match="quant_group_size must be 0 .* or divide rank_multiple 8"):
+        convert_palu(model, tokenizer, rank_multiple=8, quant_group_size=3, calibration_text=CALIB_TEXT)
+
+
+def test_quant_group_size_sets_scales_per_channel_group(model, tokenizer):
+    # 4 channels per scale/zero-point: the measured cache bytes are those of 4-channel groups, and the finer grid
+    # quantizes closer to the float model than one scale per latent does
+    common = {"kv_keep": 0.5, "group_size": 2, "ranks": "uniform", "calibration_text": CALIB_TEXT, "quant_bits": 2}
+    common.update(FAST, rank_multiple=4)
+    ids = _ids(4, 32)
+    with torch.no_grad():
+        ref = convert_palu(model, tokenizer, **{**common, "quant_bits": 0})[0](ids).logits
+        whole, info_whole = convert_palu(model, tokenizer, **common)
+        fine, info_fine = convert_palu(model, tokenizer, quant_group_size=4, **common)
+        assert fine.config.palu_quant_group_size == 4
+        assert (fine(ids).logits - ref).norm() < (whole(ids).logits - ref).norm()
+    rank_sum = 2 * (sum(info_fine["k_ranks"]) + sum(info_fine["v_ranks"]))  # 2 groups per layer
+    extra_groups = rank_sum // 4 - 2 * 2 * len(info_fine["k_ranks"])  # scale/zero pairs beyond one per latent
+    assert info_fine["cache_bytes_per_token"] - info_whole["cache_bytes_per_token"] == extra_groups * 4
 
 
 def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
@@ -171,9 +190,11 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
     err = capsys.readouterr().err
     assert "kv_keep must be in (0, 1]" in err and "group_size 3 must divide" in err
     assert not out.exists() and not list(tmp_path.glob(".palu-*"))  # nothing half-written
-    assert main(base + ["--kv-keep", "0.5", "--group-size", "2", "--quant-bits", "3", "--json"] + fast) == 0
+    quant = ["--quant-bits", "3", "--quant-group-size", "2", "--json"]
+    assert main(base + ["--kv-keep", "0.5", "--group-size", "2"] + quant + fast) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["kv_keep_achieved"] == 0.5 and summary["quant_bits"] == 3
+    assert summary["kv_keep_achieved"] == 0.5 and summary["quant_bits"] == 3 and summary["quant_group_size"] == 2
+    assert json.loads((out / "config.json").read_text())["palu_quant_group_size"] == 2
     names = {p.name for p in out.iterdir()}
     assert {
         "config.json",
