@@ -23,7 +23,12 @@ from pathlib import Path
 
 import torch
 
-from .calibration import collect_kv_calibration, load_calibration_text, tokenize_calibration_text
+from .calibration import (
+    collect_kv_calibration,
+    generate_calibration_ids,
+    load_calibration_text,
+    tokenize_calibration_text,
+)
 from .factorize import factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
 from .ranks import water_fill
@@ -317,9 +322,11 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
     return palu.to(next(model.parameters()).device).eval()
 
 
-def _read_calibration(model, tokenizer, calibration_text, conversion):
+def _read_calibration(model, tokenizer, calibration_text, calibration_ids, conversion):
+    if calibration_ids is not None:
+        return calibration_ids
     if not calibration_text:
-        raise ValueError("Palu needs calibration text (a non-empty string); pass --calib FILE")
+        raise ValueError("Palu needs calibration text (a non-empty string) or token ids; pass --calib FILE or generated")
     return tokenize_calibration_text(
         tokenizer, calibration_text, conversion.calib_samples, conversion.calib_seq_len, seed=conversion.seed
     )
@@ -334,6 +341,7 @@ def convert_palu(
     quant_bits: int = 0,
     hadamard: bool = True,
     calibration_text: str | None = None,
+    calibration_ids: torch.Tensor | None = None,
     calibration=None,
     fisher_scores: list | None = None,
     progress: bool = True,
@@ -351,6 +359,9 @@ def convert_palu(
         quant_bits (`int`, *optional*, defaults to 0): 0, or 2/3/4-bit per-token quantized latents.
         hadamard (`bool`, *optional*, defaults to `True`): fold a Walsh–Hadamard rotation into the factors.
         calibration_text (`str`): text for the whitening moments (and the Fisher scores).
+        calibration_ids (`torch.LongTensor` of shape `[N, S]`, *optional*): calibration token ids instead of text (for
+            example sequences the model sampled, [`generate_calibration_ids`]); the first `fisher_samples` rows also
+            give the Fisher scores.
         calibration ([`KvCalibration`], *optional*): moments from an earlier run (reused, not recollected).
         fisher_scores (`list[tuple[float, float]]`, *optional*): per-layer Fisher scores from an earlier run.
         progress (`bool`, *optional*, defaults to `True`): progress bars.
@@ -382,7 +393,7 @@ def convert_palu(
     start = time.perf_counter()
     input_ids = None
     if calibration is None or (conversion.ranks == "fisher" and fisher_scores is None):
-        input_ids = _read_calibration(model, tokenizer, calibration_text, conversion)
+        input_ids = _read_calibration(model, tokenizer, calibration_text, calibration_ids, conversion)
     kfac = conversion.ranks == "kfac"
     if calibration is None:
         calibration = collect_kv_calibration(model, input_ids, with_output_grads=kfac, progress=progress)
@@ -592,7 +603,9 @@ def add_palu_parser(convert_commands) -> None:
         "--quant-group-size", type=int, default=0, help="channels per scale/zero-point (0: whole latent; divides --rank-multiple)"
     )
     parser.add_argument("--no-hadamard", action="store_true", help="do not fold the Walsh–Hadamard rotation")
-    parser.add_argument("--calib", required=True, help="calibration text file, or hf:<dataset>[:<config>]")
+    parser.add_argument(
+        "--calib", default="generated", help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]"
+    )
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--calib-seq-len", type=int, default=256)
     parser.add_argument("--fisher-samples", type=int, default=16)
@@ -631,13 +644,18 @@ def _run_convert_palu(args) -> int:
         fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,
     )
-    if not args.calib.startswith("hf:") and not Path(args.calib).is_file():
+    if args.calib != "generated" and not args.calib.startswith("hf:") and not Path(args.calib).is_file():
         raise FileNotFoundError(f"calibration text not found: {args.calib}")
     base_model = _card_base_model(args.base_model or args.model)
     out = Path(args.out)
     if out.exists() and not args.overwrite and any(out.iterdir()):
         raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
     model, tokenizer = load_model_and_tokenizer(args.model)
+    calibration_ids = None
+    if args.calib == "generated":  # the model's own sampled answers to varied instructions, as for CARE
+        calibration_ids, _ = generate_calibration_ids(
+            model, tokenizer, args.calib_samples, args.calib_seq_len, progress=not args.json
+        )
     palu, info = convert_palu(
         model,
         tokenizer,
@@ -646,7 +664,8 @@ def _run_convert_palu(args) -> int:
         ranks=args.ranks,
         quant_bits=args.quant_bits,
         hadamard=not args.no_hadamard,
-        calibration_text=load_calibration_text(args.calib),
+        calibration_text=None if args.calib == "generated" else load_calibration_text(args.calib),
+        calibration_ids=calibration_ids,
         progress=not args.json,
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,

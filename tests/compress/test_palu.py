@@ -140,6 +140,8 @@ def test_bad_inputs_raise_clear_errors(model, tokenizer):
         convert_palu(model, tokenizer, group_size=3, calibration_text=CALIB_TEXT)
     with pytest.raises(ValueError, match="quant_bits"):
         convert_palu(model, tokenizer, quant_bits=5, calibration_text=CALIB_TEXT)
+    with pytest.raises(ValueError, match="needs calibration text"):
+        convert_palu(model, tokenizer, **FAST)
     with pytest.raises(ValueError, match="calibration text too short"):
         convert_palu(model, tokenizer, calibration_text="too short", **FAST)
     with pytest.raises(ValueError, match="quant_group_size must be 0 .* or divide rank_multiple 8"):
@@ -206,6 +208,33 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
         "palu_ranks.json",
     } <= names
     assert "2 group(s) of 2 consecutive KV heads" in (out / "README.md").read_text()
+
+
+def test_cli_convert_palu_generated_calibration(tmp_path, model, tokenizer, capsys):
+    # `--calib generated` (the default): the model's own samples calibrate, as for CARE; no text file needed
+    from hf_accel.cli import main
+
+    src = tmp_path / "tiny"
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    out = tmp_path / "palu"
+    argv = ["convert", "palu", "--model", str(src), "--out", str(out), "--base-model", "org/tiny", "--kv-keep", "0.5"]
+    argv += ["--group-size", "2", "--calib-samples", "3", "--calib-seq-len", "8", "--fisher-samples", "2", "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["kv_keep_achieved"] == 0.5 and (out / "model.safetensors").is_file()
+
+
+def test_calibration_ids_replace_text(model, tokenizer):
+    from hf_accel.compress.calibration import tokenize_calibration_text
+
+    common = {"kv_keep": 0.5, "group_size": 2, "ranks": "fisher", **FAST}
+    ids = tokenize_calibration_text(tokenizer, CALIB_TEXT, FAST["calib_samples"], FAST["calib_seq_len"], seed=3)
+    from_text, info_text = convert_palu(model, tokenizer, calibration_text=CALIB_TEXT, **common)
+    from_ids, info_ids = convert_palu(model, tokenizer, calibration_ids=ids, **common)
+    assert info_ids["k_ranks"] == info_text["k_ranks"] and info_ids["fisher_scores"] == info_text["fisher_scores"]
+    with torch.no_grad():
+        torch.testing.assert_close(from_ids(_ids()).logits, from_text(_ids()).logits)
 
 
 def test_default_model_full_rank_and_3bit(default_model, shakespeare_text):
