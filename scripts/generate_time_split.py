@@ -1,8 +1,8 @@
 """Where speculative decoding's wall time goes: the target's forward passes, the drafter, and the rest of the engine.
 
 Runs `--num-batches` batches of prompts through `model.generate(custom_generate=..., drafter=...)` after one warm-up
-run of the first batch, timing every target forward. If the forward is nearly all of the wall time, only fewer or cheaper passes (better
-drafts) can make decoding faster; engine work would not.
+run of the first batch, timing every target forward. If the forward is nearly all of the wall time, only fewer or
+cheaper passes (better drafts) can make decoding faster; engine work would not.
 
 Example:
     python scripts/generate_time_split.py --prompts chat_heldout_26 --batch-size 8 --json

@@ -78,8 +78,10 @@ class PaluConversionConfig:
             raise ValueError(f"quant_bits must be one of {QUANT_BITS}, got {self.quant_bits!r}")
         if not isinstance(self.rank_multiple, int) or self.rank_multiple < 1:
             raise ValueError(f"rank_multiple must be a positive integer, got {self.rank_multiple!r}")
-        if not isinstance(self.quant_group_size, int) or self.quant_group_size < 0 or (
-            self.quant_group_size and self.rank_multiple % self.quant_group_size
+        if (
+            not isinstance(self.quant_group_size, int)
+            or self.quant_group_size < 0
+            or (self.quant_group_size and self.rank_multiple % self.quant_group_size)
         ):
             raise ValueError(
                 f"quant_group_size must be 0 (one scale per latent) or divide rank_multiple {self.rank_multiple}, so "
@@ -326,7 +328,9 @@ def _read_calibration(model, tokenizer, calibration_text, calibration_ids, conve
     if calibration_ids is not None:
         return calibration_ids
     if not calibration_text:
-        raise ValueError("Palu needs calibration text (a non-empty string) or token ids; pass --calib FILE or generated")
+        raise ValueError(
+            "Palu needs calibration text (a non-empty string) or token ids; pass --calib FILE or generated"
+        )
     return tokenize_calibration_text(
         tokenizer, calibration_text, conversion.calib_samples, conversion.calib_seq_len, seed=conversion.seed
     )
@@ -600,7 +604,10 @@ def add_palu_parser(convert_commands) -> None:
     parser.add_argument("--ranks", choices=RANK_METHODS, default="fisher")
     parser.add_argument("--quant-bits", type=int, choices=QUANT_BITS, default=0)
     parser.add_argument(
-        "--quant-group-size", type=int, default=0, help="channels per scale/zero-point (0: whole latent; divides --rank-multiple)"
+        "--quant-group-size",
+        type=int,
+        default=0,
+        help="channels per scale/zero-point (0: whole latent; divides --rank-multiple)",
     )
     parser.add_argument("--no-hadamard", action="store_true", help="do not fold the Walsh–Hadamard rotation")
     parser.add_argument(
@@ -651,11 +658,13 @@ def _run_convert_palu(args) -> int:
     if out.exists() and not args.overwrite and any(out.iterdir()):
         raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
     model, tokenizer = load_model_and_tokenizer(args.model)
-    calibration_ids = None
+    calibration_text = calibration_ids = None
     if args.calib == "generated":  # the model's own sampled answers to varied instructions, as for CARE
         calibration_ids, _ = generate_calibration_ids(
             model, tokenizer, args.calib_samples, args.calib_seq_len, progress=not args.json
         )
+    else:
+        calibration_text = load_calibration_text(args.calib)
     palu, info = convert_palu(
         model,
         tokenizer,
@@ -664,7 +673,7 @@ def _run_convert_palu(args) -> int:
         ranks=args.ranks,
         quant_bits=args.quant_bits,
         hadamard=not args.no_hadamard,
-        calibration_text=None if args.calib == "generated" else load_calibration_text(args.calib),
+        calibration_text=calibration_text,
         calibration_ids=calibration_ids,
         progress=not args.json,
         calib_samples=args.calib_samples,

@@ -36,7 +36,9 @@ class PaluBenchConfig:
     kv_keeps: tuple = (0.75, 0.5)
     bits: tuple = (2, 3, 4)
     no_hadamard_bits: tuple = (2, 3, 4)  # bit widths also measured without the Hadamard rotation
-    quant_group_size: int = 0  # latent channels per scale/zero-point (0: a group's whole latent); divides rank_multiple
+    quant_group_size: int = (
+        0  # latent channels per scale/zero-point (0: a group's whole latent); divides rank_multiple
+    )
     calib_samples: int = 32  # text windows
     calib_generated_samples: int = 0  # + model-generated calibration sequences (CARE's mixed calibration)
     care_methods: tuple = ()  # CARE conversions at each kv-keep, same calibration and evaluation (e.g. ("care",))
@@ -219,7 +221,9 @@ def format_palu_table(report: dict) -> str:
     lines.append("| original | | 1.0 | | 16 |" + fmt(base))
     for r in report["rows"]:
         wht = "yes" if r["hadamard"] else "no"
-        bits = f"{r['bits']} (g{r['quant_group_size']})" if r["bits"] and r.get("quant_group_size") else r["bits"] or 16
+        bits = (
+            f"{r['bits']} (g{r['quant_group_size']})" if r["bits"] and r.get("quant_group_size") else r["bits"] or 16
+        )
         gs = "CARE" if r.get("converter") == "care" else r["group_size"]
         lines.append(f"| {gs} | {r['ranks']} | {r['kv_keep']} | {wht} | {bits} |" + fmt(r))
     return "\n".join(lines)
