@@ -10,6 +10,7 @@ moment of the loss gradient with respect to the K and V projection outputs, `G =
 output-side weighting used by loss-aware rank gains.
 """
 
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -230,15 +231,15 @@ def generate_calibration_ids(
     prompts=CALIBRATION_PROMPTS,
     batch_size: int = 32,
     progress: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples `num_samples` responses of up to `seq_len` tokens from the model itself (self-distillation text).
+) -> torch.Tensor:
+    """Samples `num_samples` responses of `seq_len` tokens from the model itself (self-distillation text).
 
     Returns:
-        `(input_ids, attention_mask)`, both `[num_samples, seq_len]`: the generated tokens only (the prompt is not
-        part of the calibration); tokens after an end-of-sequence are padding (mask 0).
+        `torch.LongTensor` `[num_samples, seq_len]`: the generated tokens only (the prompt is not part of the
+        calibration). `min_new_tokens = seq_len` holds back the end of sequence, so every token is real text.
     """
     torch.manual_seed(seed)
-    rows, masks = [], []
+    rows = []
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for start in tqdm(range(0, num_samples, batch_size), desc="generating calibration text", disable=not progress):
         batch = [prompts[(start + i) % len(prompts)] for i in range(min(batch_size, num_samples - start))]
@@ -255,8 +256,29 @@ def generate_calibration_ids(
             )
         new = out[:, enc["input_ids"].shape[1] :].cpu()  # [b, seq_len]
         rows.append(new)
-        masks.append(torch.ones_like(new))
-    return torch.cat(rows), torch.cat(masks)
+    return torch.cat(rows)
+
+
+def check_calibration_source(source: str) -> None:
+    """Fails fast (before a model loads) on a calibration source that is neither `generated`, `hf:...` nor a file."""
+    if source != "generated" and not source.startswith("hf:") and not os.path.isfile(source):
+        raise FileNotFoundError(f"calibration text not found: {source} (give `generated`, a text file or hf:NAME)")
+
+
+def load_calibration_ids(
+    model, tokenizer, source: str, num_samples: int, seq_len: int, seed: int = 0, progress: bool = True
+) -> torch.Tensor:
+    """
+    `[num_samples, seq_len]` calibration token ids from one source, the same for CARE and Palu.
+
+    Args:
+        source (`str`): `"generated"` (the model's own samples on [`CALIBRATION_PROMPTS`]), a text-file path, or
+            `hf:<dataset>[:<config>]`.
+        seed (`int`, *optional*, defaults to 0): the sampling seed, or which windows of the text are drawn.
+    """
+    if source == "generated":
+        return generate_calibration_ids(model, tokenizer, num_samples, seq_len, seed=seed, progress=progress)
+    return tokenize_calibration_text(tokenizer, load_calibration_text(source), num_samples, seq_len, seed=seed)
 
 
 def _encode_prompts(tokenizer, prompts):

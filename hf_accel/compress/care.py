@@ -303,16 +303,12 @@ def prepare_calibration(
         with_output_grads (`bool`, *optional*, defaults to `True`): also collect loss-gradient moments (needed by the
             default method `care`).
     """
-    from .calibration import generate_calibration_ids, load_calibration_text, tokenize_calibration_text
+    from .calibration import load_calibration_ids
 
     if tokenizer is None and calib is not None:
         raise ValueError("a tokenizer is needed to build calibration data")
-    mask = None
-    if calib == "generated":
-        ids, mask = generate_calibration_ids(model, tokenizer, num_samples, seq_len, seed=seed, progress=progress)
-    else:
-        ids = tokenize_calibration_text(tokenizer, load_calibration_text(calib), num_samples, seq_len)
-    calibration = collect_kv_calibration(model, ids, mask, batch_size, with_output_grads, progress)
+    ids = load_calibration_ids(model, tokenizer, calib, num_samples, seq_len, seed=seed, progress=progress)
+    calibration = collect_kv_calibration(model, ids, None, batch_size, with_output_grads, progress)
     calibration.meta.update(source=calib, num_samples=num_samples, seq_len=seq_len)
     return calibration
 

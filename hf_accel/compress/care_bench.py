@@ -13,9 +13,9 @@ from ..eval.memory import measure_cache_bytes_per_token
 from .calibration import (
     CALIBRATION_PROMPTS,
     KvCalibration,
-    chunk_token_ids,
     collect_kv_calibration,
     generate_calibration_ids,
+    tokenize_calibration_text,
 )
 from .care import CareConversionConfig, run_care_conversion
 
@@ -42,27 +42,23 @@ def split_text(text: str, calib_fraction: float = 0.5) -> tuple[str, str]:
 
 def generated_text(model, tokenizer, num_samples: int, seq_len: int, seed: int, prompts=EVAL_PROMPTS) -> str:
     """Model-generated responses (sampled), decoded and joined: held-out text from the model's own distribution."""
-    ids, _ = generate_calibration_ids(model, tokenizer, num_samples, seq_len, seed=seed, prompts=prompts)
+    ids = generate_calibration_ids(model, tokenizer, num_samples, seq_len, seed=seed, prompts=prompts)
     return "\n\n".join(tokenizer.batch_decode(ids, skip_special_tokens=True))
 
 
 def mixed_calibration_ids(
     model, tokenizer, text: str | None, text_samples: int, generated_samples: int, seq_len: int, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(input_ids, attention_mask)` `[text_samples + generated_samples, seq_len]`: random windows of `text`, then
-    sequences sampled from the model on [`CALIBRATION_PROMPTS`] (the calibration both benchmarks share)."""
-    parts, masks = [], []
+) -> torch.Tensor:
+    """`[text_samples + generated_samples, seq_len]` token ids: random windows of `text`, then sequences sampled
+    from the model on [`CALIBRATION_PROMPTS`] (the calibration both benchmarks share)."""
+    parts = []
     if text and text_samples:
-        ids = chunk_token_ids(tokenizer(text, add_special_tokens=False)["input_ids"], text_samples, seq_len, seed)
-        parts.append(ids)
-        masks.append(torch.ones_like(ids))
+        parts.append(tokenize_calibration_text(tokenizer, text, text_samples, seq_len, seed))
     if generated_samples:
-        ids, mask = generate_calibration_ids(model, tokenizer, generated_samples, seq_len, seed=seed)
-        parts.append(ids)
-        masks.append(mask)
+        parts.append(generate_calibration_ids(model, tokenizer, generated_samples, seq_len, seed=seed))
     if not parts:
         raise ValueError("no calibration data: give text samples or generated samples")
-    return torch.cat(parts), torch.cat(masks)
+    return torch.cat(parts)
 
 
 def calibrate_mixed(
@@ -76,8 +72,8 @@ def calibrate_mixed(
     with_output_grads: bool = True,
 ) -> KvCalibration:
     """One calibration over `text_samples` windows of `text` plus `generated_samples` model-generated sequences."""
-    ids, mask = mixed_calibration_ids(model, tokenizer, text, text_samples, generated_samples, seq_len, seed)
-    calibration = collect_kv_calibration(model, ids, mask, 8, with_output_grads)
+    ids = mixed_calibration_ids(model, tokenizer, text, text_samples, generated_samples, seq_len, seed)
+    calibration = collect_kv_calibration(model, ids, None, 8, with_output_grads)
     calibration.meta.update(text_samples=text_samples, generated_samples=generated_samples, seq_len=seq_len)
     return calibration
 

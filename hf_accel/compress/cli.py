@@ -42,11 +42,13 @@ def _add_care(converters) -> None:
 
 def run_convert_care(args) -> int:
     from ..loading import load_model_and_tokenizer
+    from .calibration import check_calibration_source
     from .care import CareConversionConfig, run_care_conversion, save_care_model
 
     config = CareConversionConfig(
         kv_keep=args.kv_keep, method=args.method, alpha=args.alpha, absorb_value=args.absorb_value
     )  # validates before the (slow) model load
+    check_calibration_source(args.calib)
     model, tokenizer = load_model_and_tokenizer(args.model)
     result = run_care_conversion(
         model,

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from .calibration import (
+    check_calibration_source,
     collect_kv_calibration,
-    generate_calibration_ids,
-    load_calibration_text,
+    load_calibration_ids,
     tokenize_calibration_text,
 )
 from .factorize import factorize, shrink_moment, symmetric_sqrt
@@ -640,7 +640,7 @@ def _run_convert_palu(args) -> int:
     from ..loading import load_model_and_tokenizer
 
     # Validate everything cheap before loading the model
-    PaluConversionConfig(
+    conversion = PaluConversionConfig(
         kv_keep=args.kv_keep,
         group_size=args.group_size,
         ranks=args.ranks,
@@ -651,20 +651,16 @@ def _run_convert_palu(args) -> int:
         fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,
     )
-    if args.calib != "generated" and not args.calib.startswith("hf:") and not Path(args.calib).is_file():
-        raise FileNotFoundError(f"calibration text not found: {args.calib}")
+    check_calibration_source(args.calib)
     base_model = _card_base_model(args.base_model or args.model)
     out = Path(args.out)
     if out.exists() and not args.overwrite and any(out.iterdir()):
         raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
     model, tokenizer = load_model_and_tokenizer(args.model)
-    calibration_text = calibration_ids = None
-    if args.calib == "generated":  # the model's own sampled answers to varied instructions, as for CARE
-        calibration_ids, _ = generate_calibration_ids(
-            model, tokenizer, args.calib_samples, args.calib_seq_len, progress=not args.json
-        )
-    else:
-        calibration_text = load_calibration_text(args.calib)
+    ids = load_calibration_ids(
+        model, tokenizer, args.calib, args.calib_samples, args.calib_seq_len, seed=conversion.seed,
+        progress=not args.json,
+    )  # fmt: skip
     palu, info = convert_palu(
         model,
         tokenizer,
@@ -673,8 +669,7 @@ def _run_convert_palu(args) -> int:
         ranks=args.ranks,
         quant_bits=args.quant_bits,
         hadamard=not args.no_hadamard,
-        calibration_text=calibration_text,
-        calibration_ids=calibration_ids,
+        calibration_ids=ids,
         progress=not args.json,
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,

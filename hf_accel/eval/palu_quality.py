@@ -118,14 +118,13 @@ def run_palu_quality_benchmark(
     config = config or PaluBenchConfig()
     timings = {}
     start = time.perf_counter()
-    ids, mask = mixed_calibration_ids(
+    ids = mixed_calibration_ids(
         model, tokenizer, calibration_text, config.calib_samples, config.calib_generated_samples,
         config.calib_seq_len, seed=config.seed,
     )  # fmt: skip
     calibration = collect_kv_calibration(
         model,
         ids,
-        mask,
         with_output_grads=bool(config.care_methods) or "kfac" in config.rank_methods,
         progress=progress,
     )
@@ -141,7 +140,7 @@ def run_palu_quality_benchmark(
     if config.generated_samples:
         start = time.perf_counter()
         # held-out prompts and a seed unlike the calibration's: held-out samples of the model's own text
-        generated, _ = generate_calibration_ids(
+        generated = generate_calibration_ids(
             model,
             tokenizer,
             config.generated_samples,

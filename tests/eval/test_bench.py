@@ -72,6 +72,9 @@ def test_summarize_speedup_and_identity_by_hand():
         (["eval", "ppl", "--text", "pyproject.toml", "--seq-len", "0"], "must be positive"),
         (["bench", "generate", "--prompts", "/no/such.jsonl"], "not found"),
         (["bench", "generate", "--prompts", "humaneval", "--methods", ","], "empty"),
+        # both converters check the calibration source before loading the model
+        (["convert", "care", "--kv-keep", "0.5", "--calib", "/no/such.txt", "--out", "/tmp/x"], "not found"),
+        (["convert", "palu", "--kv-keep", "0.5", "--calib", "/no/such.txt", "--out", "/tmp/x"], "not found"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys):
