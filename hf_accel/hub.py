@@ -220,6 +220,9 @@ def _auto_map_files(config) -> set[str]:
     return names
 
 
+_PALU_KERNELS_SHIM = (Path(__file__).parent / "models" / "palu_kernels.py").resolve()
+
+
 def copy_remote_code(model, output_dir: str | Path, source_dir: str | Path | None = None) -> list[str]:
     """Copies the modeling/configuration files that a trust_remote_code model's `auto_map` names into `output_dir`.
 
@@ -244,9 +247,15 @@ def copy_remote_code(model, output_dir: str | Path, source_dir: str | Path | Non
         if found is None:
             raise FileNotFoundError(f"auto_map names {name}, but it is in none of {[str(d) for d in search]}")
         for path in [found, *map(Path, get_relative_import_files(str(found)))]:
-            if not (output_dir / path.name).is_file():
+            if (output_dir / path.name).is_file():
+                continue
+            if path.resolve() == _PALU_KERNELS_SHIM:  # imports hf_accel: write the self-contained version instead
+                from .compress.palu import write_palu_kernels_file
+
+                write_palu_kernels_file(output_dir / path.name)
+            else:
                 shutil.copy(path, output_dir / path.name)
-                copied.append(path.name)
+            copied.append(path.name)
     return copied
 
 

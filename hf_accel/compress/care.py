@@ -209,10 +209,10 @@ def build_care_model(model, factors, k_ranks, v_ranks, absorb_value: bool = Fals
 
     _validate_ranks(factors, k_ranks, v_ranks)
     config = care_config_from(model, k_ranks, v_ranks, absorb_value)
-    care_model = getattr(modeling_care, FAMILIES[model_family(model)][1])(config)
+    dtype = next(model.parameters()).dtype
+    care_model = getattr(modeling_care, FAMILIES[model_family(model)][1])._from_config(config, dtype=dtype)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith(("k_proj.weight", "v_proj.weight"))}
     state = {k: v for k, v in state.items() if not k.endswith(("k_proj.bias", "v_proj.bias"))}
-    dtype = next(model.parameters()).dtype
     for idx, ((fk, fv), rk, rv) in enumerate(zip(factors, k_ranks, v_ranks)):
         prefix, attn = f"model.layers.{idx}.self_attn.", model.model.layers[idx].self_attn
         k_down, k_up = fk.truncate(rk)

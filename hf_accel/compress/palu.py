@@ -300,7 +300,8 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
     from ..models.modeling_palu import PaluLlamaForCausalLM
 
     config = palu_config_from(model, conversion.group_size, k_ranks, v_ranks, conversion)
-    palu = PaluLlamaForCausalLM(config)
+    dtype = next(model.parameters()).dtype
+    palu = PaluLlamaForCausalLM._from_config(config, dtype=dtype)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith(("k_proj.weight", "v_proj.weight"))}
     head_dim = palu.model.layers[0].self_attn.head_dim
     for idx, (k_down, k_up, v_down, v_up) in enumerate(layer_factors):
@@ -315,7 +316,6 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
         state[prefix + "o_proj.weight"] = fold_values_into_o_proj(
             o_weight, v_up, config.num_attention_heads, config.num_key_value_heads, head_dim
         )
-    dtype = next(model.parameters()).dtype
     state = {k: v.to(dtype).contiguous() for k, v in state.items()}
     for name, tensor in state.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():

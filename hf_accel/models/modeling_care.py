@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.cache_utils import StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -32,6 +33,16 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2ForCau
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3RotaryEmbedding
 
 from .configuration_care import CareLlamaConfig, CareMistralConfig, CareQwen2Config, CareQwen3Config
+
+
+def _check_dynamic_layer(cache, layer_idx: int) -> None:
+    """Cached latents are RoPE'd at attention time from slot counts, so every slot must hold a real token: a static
+    cache's preallocated slots would shift every position (silently wrong output)."""
+    layers = getattr(cache, "layers", ())
+    if layer_idx < len(layers) and isinstance(layers[layer_idx], StaticLayer):
+        raise ValueError(
+            "latent-cache models need a dynamic cache; cache_implementation='static' (a StaticCache) is not supported"
+        )
 
 
 def _key_positions(position_ids, past_len: int, q_len: int, device, key_positions=None) -> torch.Tensor:
@@ -111,6 +122,7 @@ class CareAttentionMixin:
         latent_k = self.k_down(hidden_states).unsqueeze(1)
         latent_v = self.v_down(hidden_states).unsqueeze(1)
         if past_key_values is not None:
+            _check_dynamic_layer(past_key_values, self.layer_idx)
             latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
         q_len = input_shape[-1]
         past_len = latent_k.shape[-2] - q_len

@@ -19,7 +19,7 @@ give). This file is copied into converted checkpoints and imports only from torc
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, StaticLayer
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -29,6 +29,16 @@ from transformers.models.llama.modeling_llama import (
 
 from .configuration_palu import PaluLlamaConfig
 from .palu_kernels import PaluQuantizedCache, PaluQuantizedLayer, get_kernel
+
+
+def _check_dynamic_layer(cache, layer_idx: int) -> None:
+    """Cached latents are RoPE'd at attention time from slot counts, so every slot must hold a real token: a static
+    cache's preallocated slots would shift every position."""
+    layers = getattr(cache, "layers", ())
+    if layer_idx < len(layers) and isinstance(layers[layer_idx], StaticLayer):
+        raise ValueError(
+            "latent-cache models need a dynamic cache; cache_implementation='static' (a StaticCache) is not supported"
+        )
 
 
 def _key_positions(position_ids, past_len: int, q_len: int, batch: int, device, key_positions=None) -> torch.Tensor:
@@ -133,6 +143,7 @@ class PaluAttentionMixin:
         else:
             past_len = 0
             if past_key_values is not None:
+                _check_dynamic_layer(past_key_values, self.layer_idx)
                 past_len = past_key_values.get_seq_length(self.layer_idx)
                 latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
             positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)

@@ -1,5 +1,6 @@
 """CARE model classes on tiny random models of every supported family (Llama, Mistral, Qwen2 with biases, Qwen3)."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -143,3 +144,19 @@ def test_saved_checkpoint_loads_in_fresh_process(tmp_path):
     assert {"care_ranks.json", "care_ranks.png", "README.md", "modeling_care.py"} <= set(
         os.listdir(tmp_path / "llama")
     )
+
+
+def test_static_cache_is_refused(family_setup):
+    # a static cache's empty slots would shift every cached key's RoPE position: silently wrong, so refused
+    _, model, calibration = family_setup
+    care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
+    with pytest.raises(ValueError, match="dynamic cache"):
+        care.generate(_ids(shape=(1, 6)), max_new_tokens=2, do_sample=False, cache_implementation="static")
+
+
+def test_conversion_keeps_the_model_dtype(family_setup):
+    _, model, calibration = family_setup
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    care = convert_care(half, kv_keep=0.5, calibration=calibration, progress=False)
+    assert {p.dtype for p in care.parameters()} == {torch.bfloat16}
+    assert care.config.dtype == torch.bfloat16

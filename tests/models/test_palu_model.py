@@ -203,3 +203,36 @@ def test_fresh_process_load_gives_same_logits(palu, tokenizer, tmp_path, block_h
         )
         expected = palu.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(torch.load(tmp_path / "gen.pt"), expected)
+
+
+def test_static_cache_is_refused_on_float_latents(palu):
+    # a static cache's empty slots would shift every cached key's RoPE position; the float path says so
+    if palu.config.palu_quant_bits:
+        pytest.skip("quantized models replace an empty cache layer by their own quantized one")
+    with pytest.raises(ValueError, match="dynamic cache"):
+        palu.generate(_ids(1, 6), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static")
+
+
+def test_conversion_keeps_the_model_dtype(tokenizer):
+    model = make_tiny_llama(**TINY).to(torch.bfloat16)
+    converted, _ = convert_palu(
+        model, tokenizer, kv_keep=0.5, group_size=2, ranks="uniform", calibration_text=CALIB_TEXT, **FAST
+    )
+    assert {p.dtype for p in converted.parameters()} == {torch.bfloat16}
+    assert converted.config.dtype == torch.bfloat16
+
+
+def test_save_artifact_of_an_in_process_model_writes_self_contained_kernels(palu, tmp_path):
+    # the package's palu_kernels.py is a shim importing hf_accel; a checkpoint must get the flattened sources
+    from hf_accel.hub import save_artifact
+
+    out = save_artifact(
+        tmp_path / "artifact",
+        "converted-model",
+        "org/tiny",
+        model=palu,
+        kv_bytes_per_token=1,
+        base_kv_bytes_per_token=2,
+    )
+    text = (out / "palu_kernels.py").read_text()
+    assert "# ---- from hf_accel/kernels/quant.py ----" in text
