@@ -147,27 +147,43 @@ def fold_values_into_o_proj(
     return torch.cat(blocks, dim=1)
 
 
-def uniform_group_ranks(width: int, kv_keep: float, multiple: int, num_layers: int) -> tuple[list[int], list[int]]:
-    """The same group rank for K and V of every layer: `kv_keep · width` rounded to `multiple` (at least `multiple`)."""
-    rank = min(width, max(multiple, multiple * round(kv_keep * width / multiple)))
+def _rank_cap(width: int, multiple: int, max_rank: int | None) -> int:
+    # a group's factors have min(width, hidden) ranks; caps are whole multiples
+    cap = width if max_rank is None else min(width, max_rank)
+    return cap - cap % multiple
+
+
+def uniform_group_ranks(
+    width: int, kv_keep: float, multiple: int, num_layers: int, *, max_rank: int | None = None
+) -> tuple[list[int], list[int]]:
+    """The same group rank for K and V of every layer: `kv_keep · width` rounded to `multiple`, within
+    `[multiple, cap]`, the cap being the largest multiple of `multiple` ≤ `min(width, max_rank)`."""
+    rank = min(_rank_cap(width, multiple, max_rank), max(multiple, multiple * round(kv_keep * width / multiple)))
     return [rank] * num_layers, [rank] * num_layers
 
 
 def fisher_group_ranks(
-    scores: list[tuple[float, float]], width: int, num_groups: int, kv_keep: float, multiple: int
+    scores: list[tuple[float, float]],
+    width: int,
+    num_groups: int,
+    kv_keep: float,
+    multiple: int,
+    *,
+    max_rank: int | None = None,
 ) -> tuple[list[int], list[int]]:
     """
     Fisher-proportional group ranks: one budget over K and V of all layers (spec §2.4, `fisher_uniform`).
 
     Targets are the K and V projections of every layer (full width `n_g · width`); each gets a share of
-    `kv_keep · Σ widths` proportional to its score, capped at full rank, and is split evenly over its groups
-    (equal rank per group). The budget is rounded to whole units of `n_g · multiple`, so it is met exactly.
+    `kv_keep · Σ widths` proportional to its score, capped at full rank (`min(width, max_rank)` per group: the
+    factors of a group have at most the hidden size's rank), and is split evenly over its groups (equal rank per
+    group). The budget is rounded to whole units of `n_g · multiple`, so it is met exactly.
 
     Returns:
         `(k_ranks, v_ranks)`: per layer, the rank of each group.
     """
     unit = num_groups * multiple
-    cap = num_groups * width - (num_groups * width) % unit
+    cap = num_groups * _rank_cap(width, multiple, max_rank)
     targets = [s for pair in scores for s in pair]
     budget = unit * max(len(targets), round(kv_keep * len(targets) * num_groups * width / unit))
     budget = min(budget, cap * len(targets))
@@ -177,7 +193,12 @@ def fisher_group_ranks(
 
 
 def kfac_group_ranks(
-    sigmas: list[tuple[list[torch.Tensor], list[torch.Tensor]]], width: int, kv_keep: float, multiple: int
+    sigmas: list[tuple[list[torch.Tensor], list[torch.Tensor]]],
+    width: int,
+    kv_keep: float,
+    multiple: int,
+    *,
+    max_rank: int | None = None,
 ) -> tuple[list[int], list[int]]:
     """
     CARE's allocation for Palu groups: water-filling on the K-FAC loss estimate, one rank per layer and projection.
@@ -185,17 +206,17 @@ def kfac_group_ranks(
     `sigmas[layer] = (K groups' σ, V groups' σ)`, singular values of `√C·W_g·√G_g` (loss units, comparable across
     layers, K and V). All groups of a projection share one rank (the cache layout), so a target's marginal gain at
     rank `i` is `Σ_g σ²_{g,i}`; ranks are handed out in blocks of `multiple` (a block's gain is the sum of its ranks'
-    gains), between one block and the largest multiple of `multiple` ≤ `width`, with `kv_keep · targets · width`
+    gains), between one block and the largest multiple of `multiple` ≤ `min(width, max_rank)`, with `kv_keep · targets · width`
     rounded to whole blocks as the budget, like [`fisher_group_ranks`].
 
     Returns:
         `(k_ranks, v_ranks)`: per layer, the rank of each group.
     """
-    blocks = width // multiple
+    blocks = _rank_cap(width, multiple, max_rank) // multiple
     gains = []
     for pair in sigmas:
         for groups in pair:
-            per_rank = sum(sigma.double()[:width] ** 2 for sigma in groups)
+            per_rank = sum(sigma.double()[: blocks * multiple] ** 2 for sigma in groups)
             gains.append(per_rank[: blocks * multiple].reshape(blocks, multiple).sum(-1))
     budget = min(len(gains) * blocks, max(len(gains), round(kv_keep * len(gains) * width / multiple)))
     ranks = [multiple * r for r in water_fill(gains, budget, [blocks] * len(gains), floors=1)]
@@ -392,8 +413,12 @@ def convert_palu(
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     n_kv, num_layers = cfg.num_key_value_heads, cfg.num_hidden_layers
     num_groups, width = n_kv // group_size, group_size * head_dim
-    if conversion.rank_multiple > width:
-        raise ValueError(f"rank_multiple {conversion.rank_multiple} exceeds the group width {width}")
+    max_rank = min(width, cfg.hidden_size)  # the rank of a group's [hidden, width] projection
+    if conversion.rank_multiple > max_rank:
+        raise ValueError(
+            f"rank_multiple {conversion.rank_multiple} exceeds a group's largest rank {max_rank} (min of the group "
+            f"width and the hidden size)"
+        )
     start = time.perf_counter()
     input_ids = None
     if calibration is None or (conversion.ranks == "fisher" and fisher_scores is None):
@@ -410,10 +435,12 @@ def convert_palu(
         scores = fisher_scores
         if scores is None:
             scores = collect_fisher_scores(model, input_ids[: conversion.fisher_samples], progress=progress)
-        k_ranks, v_ranks = fisher_group_ranks(scores, width, num_groups, kv_keep, conversion.rank_multiple)
+        k_ranks, v_ranks = fisher_group_ranks(
+            scores, width, num_groups, kv_keep, conversion.rank_multiple, max_rank=max_rank
+        )
         timings["fisher_s"] = time.perf_counter() - start
     elif conversion.ranks == "uniform":
-        k_ranks, v_ranks = uniform_group_ranks(width, kv_keep, conversion.rank_multiple, num_layers)
+        k_ranks, v_ranks = uniform_group_ranks(width, kv_keep, conversion.rank_multiple, num_layers, max_rank=max_rank)
     start = time.perf_counter()
     all_scales = _layer_scales(calibration, conversion.alpha, conversion.lam_frac)
     full, sigmas = [], []  # per layer: (K groups, V groups) full-rank factors; K-FAC σ of each group
@@ -428,7 +455,7 @@ def convert_palu(
             pair = [factorize_groups(w, out_moment=g, **common) for w, g in zip(weights, grads)]
             sigmas.append(tuple([f.sigma for f in groups] for groups in pair))
     if kfac:
-        k_ranks, v_ranks = kfac_group_ranks(sigmas, width, kv_keep, conversion.rank_multiple)
+        k_ranks, v_ranks = kfac_group_ranks(sigmas, width, kv_keep, conversion.rank_multiple, max_rank=max_rank)
     layer_factors = [
         (*truncate_groups(k_groups, k_rank), *truncate_groups(v_groups, v_rank))
         for (k_groups, v_groups), k_rank, v_rank in zip(full, k_ranks, v_ranks)

@@ -75,6 +75,28 @@ def test_rank_helpers_meet_the_budget():
     assert v_ranks[0] > k_ranks[0] and k_ranks[2] == 64  # more Fisher, more rank; capped at full width
 
 
+def test_rank_caps_are_multiples_within_the_hidden_size():
+    assert uniform_group_ranks(16, 0.95, 6, 2) == ([12] * 2, [12] * 2)  # 18 rounds past the width: largest multiple
+    assert uniform_group_ranks(64, 1.0, 8, 2, max_rank=32) == ([32] * 2, [32] * 2)  # a [32, 64] group has rank 32
+    k_ranks, v_ranks = fisher_group_ranks([(1.0, 1.0)] * 2, 64, 1, kv_keep=0.9, multiple=8, max_rank=32)
+    assert max(k_ranks + v_ranks) <= 32
+    sigmas = [([torch.ones(32)], [torch.ones(32)])] * 2
+    assert kfac_group_ranks(sigmas, 64, kv_keep=0.9, multiple=8, max_rank=32) == ([32] * 2, [32] * 2)
+
+
+@pytest.mark.parametrize("ranks", ["uniform", "fisher", "kfac"])
+def test_group_wider_than_the_hidden_size_converts_losslessly(tokenizer, ranks):
+    # hidden 32, 4 KV heads of 16: a J-LRD group is 64 wide but its projection has rank 32
+    wide = make_tiny_llama(vocab_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+    palu, info = convert_palu(
+        wide, tokenizer, kv_keep=1.0, group_size=4, ranks=ranks, calibration_text=CALIB_TEXT, **FAST
+    )
+    assert info["k_ranks"] == info["v_ranks"] == [32, 32]
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(palu(ids).logits, wide(ids).logits, atol=2e-5, rtol=1e-4)
+
+
 def test_kfac_group_ranks_water_fill_blocks_of_summed_energy():
     width, multiple = 16, 4
     flat, steep = torch.ones(width), torch.tensor([10.0] * 4 + [0.01] * 12)
