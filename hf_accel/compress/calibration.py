@@ -89,7 +89,7 @@ def _accumulate_inputs(attn_modules, stats, mask_box):
             x = args[0].detach()  # [B, S, D]
             mask = mask_box[0]
             x = x.reshape(-1, x.shape[-1]) if mask is None else x[mask.bool()]
-            x = x.double()
+            x = x.double().cpu()  # the statistics live on the CPU in float64
             stats["moments"][idx] += x.T @ x
             stats["abs_sums"][idx] += x.abs().sum(0)
 
@@ -106,7 +106,7 @@ def _accumulate_output_grads(attn_modules, stats, mask_box):
             def grad_hook(grad):  # [B, S, out]
                 mask = mask_box[0]
                 g = grad.reshape(-1, grad.shape[-1]) if mask is None else grad[mask.bool()]
-                g = g.double()
+                g = g.double().cpu()
                 stats[key][idx] += g.T @ g
 
             output.register_hook(grad_hook)

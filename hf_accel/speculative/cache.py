@@ -11,6 +11,7 @@ Contract with cache classes (documented again in [`~hf_accel.speculative.engine`
 - If a layer has `batch_select_indices(indices)` (transformers' `DynamicLayer` has), the engine calls it to drop
   finished rows; otherwise the tensors are indexed on axis 0.
 - Layers that keep only a window (`is_sliding`) are refused: gathering would have to know the window's origin.
+  So are preallocated layers (`max_cache_len`, a static cache): their length is fixed, so they cannot be cropped.
 """
 
 import torch
@@ -25,6 +26,11 @@ def validate_cache_for_speculation(cache) -> None:
             " use transformers' DynamicCache or a Cache subclass whose layers implement `select_positions`"
         )
     for i, layer in enumerate(layers):
+        if getattr(layer, "max_cache_len", None) is not None and not hasattr(layer, "select_positions"):
+            raise ValueError(
+                f"cache layer {i} is preallocated ({type(layer).__name__}, e.g. cache_implementation='static'); "
+                "speculative decoding crops and gathers the cache: use the default dynamic cache"
+            )
         if getattr(layer, "is_sliding", False) and not hasattr(layer, "select_positions"):
             raise ValueError(
                 f"cache layer {i} is a sliding-window layer; speculative decoding cannot gather it. Use a model "

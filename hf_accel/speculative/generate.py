@@ -23,7 +23,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .engine import DraftRequest, SpeculativeEngine
+from .engine import DraftRequest, SpeculativeEngine, VerifyResult
 from .tree import DraftTree
 
 
@@ -136,6 +136,7 @@ class DrafterCandidateGenerator(CandidateGenerator):
         self.generation_config = generation_config
         self.prompt_length = prompt_length
         self.drafter_time_s = 0.0
+        self._chain_nodes, self._pass_start = [], None  # the last draft's node ids; when the target pass began
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         if input_ids.shape[0] != 1:
@@ -149,24 +150,40 @@ class DrafterCandidateGenerator(CandidateGenerator):
         tic = time.perf_counter()
         tree = self.drafter.propose(request)
         self.drafter_time_s += time.perf_counter() - tic
-        chain = _first_chain(tree)
+        self._chain_nodes = _first_chain(tree)
+        chain = tree.input_ids[0, self._chain_nodes].tolist() if self._chain_nodes else []
         candidates = torch.cat([input_ids, torch.tensor([chain], dtype=torch.long, device=input_ids.device)], 1)
+        self._pass_start = time.perf_counter()
         return candidates, None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores, num_matches: int):
-        pass
+        # what the engine reports after a pass, so that drafters learn pass costs and acceptance here too
+        if not hasattr(self.drafter, "update") or self._pass_start is None:
+            return
+        self.drafter.update(
+            VerifyResult(
+                rows=torch.tensor([0]),
+                new_tokens=[input_ids[0, -(num_matches + 1) :].tolist()],
+                best_node=torch.tensor([self._chain_nodes[num_matches - 1] if num_matches else -1]),
+                path_length=torch.tensor([num_matches + 1]),
+                finished=torch.tensor([False]),
+                num_input_tokens=1 + len(self._chain_nodes),
+                pass_seconds=time.perf_counter() - self._pass_start,
+            )
+        )
 
 
 def _first_chain(tree: DraftTree | None) -> list[int]:
-    """Tokens of the chain starting at the first child of the root (the whole draft for a chain drafter)."""
+    """Node ids (drafter numbering) of the chain starting at the first child of the root (the whole draft for a
+    chain drafter)."""
     if tree is None or tree.num_nodes == 0:
         return []
-    ids, parent = tree.input_ids[0].tolist(), tree.parent[0].tolist()
-    valid = tree.node_mask[0].tolist() if tree.node_mask is not None else [True] * len(ids)
+    parent = tree.parent[0].tolist()
+    valid = tree.node_mask[0].tolist() if tree.node_mask is not None else [True] * len(parent)
     chain, last = [], -1
-    for i, (token, p) in enumerate(zip(ids, parent)):
+    for i, p in enumerate(parent):
         if valid[i] and p == last:
-            chain.append(token)
+            chain.append(i)
             last = i
     return chain
 

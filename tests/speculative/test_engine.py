@@ -200,6 +200,27 @@ def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
     assert torch.equal(out, reference)
 
 
+def test_static_cache_is_refused_in_one_line(tiny_llama):
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
+    with pytest.raises(ValueError, match="preallocated"):
+        tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate, cache_implementation="static",
+                            drafter=ReferenceDrafter(reference))  # fmt: skip
+
+
+def test_ngram_drafter_drafts_in_transformers_assisted_loop(tiny_llama):
+    # the n-gram drafter measures a plain pass before drafting: the assisted loop must report pass times to it
+    from hf_accel.speculative.drafters import InfinigramConfig, InfinigramDrafter
+
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 4])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=30, do_sample=False)
+    drafter, sizes = InfinigramDrafter(None, config=InfinigramConfig(tree=False)), []
+    propose = drafter.propose
+    drafter.propose = lambda request: sizes.append(getattr(tree := propose(request), "num_nodes", 0)) or tree
+    out = tiny_llama.generate(input_ids, max_new_tokens=30, custom_generate=assisted_generate, drafter=drafter)
+    assert torch.equal(out, reference) and max(sizes) > 0
+
+
 def test_hidden_states_and_auxiliary_inputs_reach_the_drafter(tiny_llama):
     """A PPD-like drafter: aux embeddings under the last draft node; CP-like: last-layer hidden states."""
     input_ids = torch.tensor([[5, 6, 7, 8]])
