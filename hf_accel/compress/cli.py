@@ -44,11 +44,13 @@ def run_convert_care(args) -> int:
     from ..loading import load_model_and_tokenizer
     from .calibration import check_calibration_source
     from .care import CareConversionConfig, run_care_conversion, save_care_model
+    from .export import check_output_dir
 
     config = CareConversionConfig(
         kv_keep=args.kv_keep, method=args.method, alpha=args.alpha, absorb_value=args.absorb_value
     )  # validates before the (slow) model load
     check_calibration_source(args.calib)
+    check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)
     result = run_care_conversion(
         model,

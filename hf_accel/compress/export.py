@@ -15,18 +15,30 @@ from pathlib import Path
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """The resolved output directory, or `ValueError` if it is a file, or a non-empty directory without `overwrite`
+    (the converters call it before loading the model, so that a bad `--out` fails in a second)."""
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is an existing file, not a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
+    return out
+
+
 @contextmanager
 def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
     """Yields a temporary directory that becomes `out_dir` when the block succeeds (and is deleted if it fails).
 
     Raises:
-        `ValueError` if `out_dir` exists and is not empty, unless `overwrite=True`.
+        `ValueError` from [`check_output_dir`].
     """
-    out = Path(out_dir).expanduser().resolve()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
+    out = check_output_dir(out_dir, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the checkpoint gets the usual permissions
     try:
         yield tmp
         old = None

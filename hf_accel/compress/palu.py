@@ -13,10 +13,7 @@ heads `[g·s, (g+1)·s)`, and query head `h` reads KV head `h // (num_heads / nu
 J-LRD with uniform ranks (`s = num_key_value_heads`) is CARE-U's factorization of the whole K or V projection.
 """
 
-import os
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +26,7 @@ from .calibration import (
     load_calibration_ids,
     tokenize_calibration_text,
 )
+from .export import atomic_output_dir, check_output_dir
 from .factorize import factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
 from .ranks import water_fill
@@ -585,12 +583,8 @@ def save_palu(
 
     from ..hub import save_artifact
 
-    out = Path(out_dir)
-    if out.exists() and not overwrite and any(out.iterdir()):
-        raise ValueError(f"output directory {out} exists and is not empty; choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    out = check_output_dir(out_dir, overwrite)
+    with atomic_output_dir(out, overwrite) as tmp:
         write_palu_kernels_file(tmp / "palu_kernels.py")  # before save_artifact: it keeps files already there
         (tmp / "palu_ranks.json").write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
         keys = ("kv_keep", "group_size", "ranks", "quant_bits", "quant_group_size", "hadamard")
@@ -609,12 +603,6 @@ def save_palu(
             base_kv_bytes_per_token=info["base_cache_bytes_per_token"],
             papers=[_PAPER],
         )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -680,9 +668,7 @@ def _run_convert_palu(args) -> int:
     )
     check_calibration_source(args.calib)
     base_model = _card_base_model(args.base_model or args.model)
-    out = Path(args.out)
-    if out.exists() and not args.overwrite and any(out.iterdir()):
-        raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
+    out = check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)
     ids = load_calibration_ids(
         model, tokenizer, args.calib, args.calib_samples, args.calib_seq_len, seed=conversion.seed,

@@ -127,6 +127,9 @@ def test_convert_care_cli(tmp_path, tiny_dir_with_tokenizer, calib, capsys):
     assert summary["cache_values_per_token"] == 32 and summary["method"] == "care"  # half of 2 layers × (16 + 16)
     ranks = json.loads((out / "care_ranks.json").read_text())
     assert ranks["k_ranks"] == summary["k_ranks"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # not the temporary directory's private 0700
     # too short calibration text: one clear error, exit code 2, no output directory
     if calib.endswith(".txt"):
         argv[argv.index("--calib-samples") + 1] = "1000"

@@ -75,6 +75,8 @@ def test_summarize_speedup_and_identity_by_hand():
         # both converters check the calibration source before loading the model
         (["convert", "care", "--kv-keep", "0.5", "--calib", "/no/such.txt", "--out", "/tmp/x"], "not found"),
         (["convert", "palu", "--kv-keep", "0.5", "--calib", "/no/such.txt", "--out", "/tmp/x"], "not found"),
+        (["convert", "care", "--kv-keep", "0.5", "--out", "pyproject.toml"], "is an existing file"),
+        (["convert", "palu", "--kv-keep", "0.5", "--out", "pyproject.toml"], "is an existing file"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys):
