@@ -215,7 +215,7 @@ def kfac_group_ranks(
     for pair in sigmas:
         for groups in pair:
             per_rank = sum(sigma.double()[: blocks * multiple] ** 2 for sigma in groups)
-            gains.append(per_rank[: blocks * multiple].reshape(blocks, multiple).sum(-1))
+            gains.append(per_rank.reshape(blocks, multiple).sum(-1))
     budget = min(len(gains) * blocks, max(len(gains), round(kv_keep * len(gains) * width / multiple)))
     ranks = [multiple * r for r in water_fill(gains, budget, [blocks] * len(gains), floors=1)]
     return ranks[0::2], ranks[1::2]
@@ -583,8 +583,8 @@ def save_palu(
 
     from ..hub import save_artifact
 
-    out = check_output_dir(out_dir, overwrite)
-    with atomic_output_dir(out, overwrite) as tmp:
+    out = Path(out_dir)
+    with atomic_output_dir(out, overwrite) as tmp:  # checks `out` (file, non-empty directory) first
         write_palu_kernels_file(tmp / "palu_kernels.py")  # before save_artifact: it keeps files already there
         (tmp / "palu_ranks.json").write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
         keys = ("kv_keep", "group_size", "ranks", "quant_bits", "quant_group_size", "hadamard")
