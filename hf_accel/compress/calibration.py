@@ -305,12 +305,10 @@ def load_calibration_text(source: str, split: str = "train", column: str = "text
         `FileNotFoundError` for a missing file; `ValueError` for a dataset without `column`.
     """
     if source.startswith("hf:"):
-        from datasets import load_dataset
+        from ..loading import load_dataset_split
 
         name, _, config = source[3:].partition(":")
-        dataset = load_dataset(name, config or None, split=split)
-        if column not in dataset.column_names:
-            raise ValueError(f"dataset {name!r} has no column {column!r}; columns: {dataset.column_names}")
+        dataset = load_dataset_split(name, split, config or None, column)
         return "\n\n".join(t for t in dataset[column] if t)
     with open(source, encoding="utf-8") as f:
         return f.read()

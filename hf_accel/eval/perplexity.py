@@ -107,23 +107,9 @@ def read_eval_text(path: str | None = None, dataset: str | None = None, split: s
             raise FileNotFoundError(f"text file not found: {path}")
         text = file.read_text(encoding="utf-8")
     else:
-        rows = _load_dataset_split(dataset, split)
-        if column not in rows.column_names:
-            raise ValueError(f"dataset {dataset!r} has no column {column!r}; columns: {rows.column_names}")
-        text = "\n".join(rows[column])
+        from ..loading import load_dataset_split
+
+        text = "\n".join(load_dataset_split(dataset, split, column=column)[column])
     if not text.strip():
         raise ValueError(f"the evaluation text from {path or dataset!r} is empty")
     return text
-
-
-def _load_dataset_split(name: str, split: str):
-    import datasets
-
-    local = Path(name)
-    if (local / "dataset_dict.json").exists() or (local / "state.json").exists():  # written by save_to_disk
-        loaded = datasets.load_from_disk(name)
-        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
-    try:
-        return datasets.load_dataset(name, split=split)
-    except Exception as err:  # datasets raises many types for a missing/unreachable dataset
-        raise ValueError(f"cannot load dataset {name!r} split {split!r}: {str(err).splitlines()[0]}") from err

@@ -2,6 +2,7 @@
 
 import re
 import time
+from pathlib import Path
 
 
 def add_cli(commands) -> None:
@@ -29,7 +30,7 @@ def add_cli(commands) -> None:
 
 def _run_build(args) -> int:
     from ..cli import print_json
-    from ..loading import load_model_and_tokenizer
+    from ..loading import load_model_and_tokenizer, load_tokenizer
     from .drafters.build import (
         build_index_from_documents,
         iter_dataset_documents,
@@ -39,8 +40,18 @@ def _run_build(args) -> int:
 
     if not (args.text or args.dataset or args.self_distill):
         raise ValueError("nothing to index: pass --text FILE..., --dataset NAME, or --self-distill PROMPTS...")
-    need_model = bool(args.self_distill)
-    model, tokenizer = _load(args, need_model, load_model_and_tokenizer)
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise ValueError("--max-new-tokens and --batch-size must be at least 1")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is an existing file, not a directory")
+    missing = [path for path in args.text if not Path(path).is_file()]
+    if missing:
+        raise FileNotFoundError(f"text file(s) not found: {', '.join(missing)}")
+    prompt_sets = [parse_prompt_slice(source) for source in args.self_distill]  # bad slices fail before loading
+    if args.self_distill:
+        model, tokenizer = load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    else:
+        model, tokenizer = None, load_tokenizer(args.model, args.trust_remote_code)
     documents, sources = [], []
     start = time.perf_counter()
     if args.text:
@@ -50,10 +61,9 @@ def _run_build(args) -> int:
         documents += list(iter_dataset_documents(args.dataset, tokenizer, args.split, args.text_column))
         sources.append(f"dataset:{args.dataset}:{args.split}:{args.text_column}")
     generation_s = 0.0
-    for source in args.self_distill:
+    for name, offset, limit in prompt_sets:
         from ..eval.prompts import load_prompts
 
-        name, offset, limit = parse_prompt_slice(source)
         prompts = load_prompts(name, tokenizer, limit=limit, offset=offset)
         tic = time.perf_counter()
         documents += self_distill(
@@ -75,16 +85,6 @@ def _run_build(args) -> int:
         print(f"  suffix array built in {build_s:.2f} s ({result['build_tokens_per_s']:,} tokens/s)")
         print(f"  inputs prepared in {prepare_s:.1f} s (self-distillation {generation_s:.1f} s)")
     return 0
-
-
-def _load(args, need_model, load_model_and_tokenizer):
-    if need_model:
-        return load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    from transformers import AutoTokenizer
-
-    from ..loading import resolve_model
-
-    return None, AutoTokenizer.from_pretrained(resolve_model(args.model), trust_remote_code=args.trust_remote_code)
 
 
 def parse_prompt_slice(source: str) -> tuple[str, int, int | None]:

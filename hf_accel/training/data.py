@@ -60,14 +60,9 @@ def load_text_dataset(
         if missing:
             raise FileNotFoundError(f"training text file(s) not found: {', '.join(missing)}")
         return datasets.load_dataset("text", data_files=list(text_files), sample_by="document", split="train")
-    local = Path(dataset_name)
-    if (local / "dataset_dict.json").exists() or (local / "state.json").exists():  # written by save_to_disk
-        loaded = datasets.load_from_disk(dataset_name)
-        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
-    try:
-        return datasets.load_dataset(dataset_name, dataset_config, split=split)
-    except Exception as err:  # datasets raises many types for a missing or unreachable dataset
-        raise ValueError(f"cannot load dataset {dataset_name!r} split {split!r}: {str(err).splitlines()[0]}") from err
+    from ..loading import load_dataset_split
+
+    return load_dataset_split(dataset_name, split, dataset_config)
 
 
 def tokenize_and_pack(dataset, tokenizer, seq_len: int, text_column: str = "text", max_blocks: int | None = None):

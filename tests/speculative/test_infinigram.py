@@ -223,3 +223,91 @@ def test_index_loads_by_hub_id_from_the_cache_offline(small_index, tmp_path, mon
     assert loaded.longest_suffix(context, 64) == index.longest_suffix(context, 64)
     with pytest.raises(FileNotFoundError, match="no Hub repository of that id"):
         InfinigramIndex("hf-accel-test/missing-index")
+
+
+def _fingerprint():
+    return tokenizer_fingerprint(FakeTokenizer(200000))
+
+
+def test_failed_rebuild_keeps_the_old_index_and_a_new_dir_is_removed(small_index, tmp_path, monkeypatch):
+    import pydivsufsort
+
+    docs, index = small_index
+    before = {p.name: p.read_bytes() for p in index.path.iterdir()}
+
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pydivsufsort, "divsufsort", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_index([[3, 7, 3]], index.path, *_fingerprint())
+    assert {p.name: p.read_bytes() for p in index.path.iterdir()} == before  # no scratch dir, same files
+    fresh = tmp_path / "new" / "idx"
+    with pytest.raises(KeyboardInterrupt):
+        build_index([[3, 7, 3]], fresh, *_fingerprint())
+    assert not fresh.exists()
+    with pytest.raises(ValueError, match="no tokens to index"):
+        build_index([[]], fresh, *_fingerprint())
+    assert not fresh.exists()
+
+
+def test_an_index_with_files_of_the_wrong_size_is_refused(small_index):
+    _, index = small_index
+    sa = index.path / "sa.bin"
+    sa.write_bytes(sa.read_bytes()[:-4])
+    with pytest.raises(ValueError, match=r"inconsistent: sa\.bin"):
+        InfinigramIndex(index.path)
+
+
+def test_index_build_cli_errors_are_one_line_and_come_before_loading(tmp_path, capsys):
+    from hf_accel.cli import main
+
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    cases = [
+        (["--out", str(a_file), "--text", str(text)], "existing file"),
+        (["--out", str(tmp_path / "o"), "--text", str(tmp_path / "missing.txt")], "not found"),
+        # the model does not exist: these must fail on the options first
+        (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "x", "--batch-size", "0"],
+         "at least 1"),
+        (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "x[3:1]"], "empty prompt"),
+        (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--text", str(text)], "no-such-model"),
+        (["--out", str(tmp_path / "o"), "--dataset", "hf-accel-test/no-such-dataset"], "cannot load dataset"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        assert main(["index", "build", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_self_distill_resumes_after_a_truncated_last_line(tiny_llama, tmp_path):
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters.build import SELF_DISTILL_CACHE, self_distill
+
+    class Tok:
+        pad_token_id = 0
+
+        def __call__(self, texts, **kwargs):
+            ids = [[1 + (ord(c) % 90) for c in text] for text in texts]
+            width = max(map(len, ids))
+            rows = [[0] * (width - len(r)) + r for r in ids]
+            return {
+                "input_ids": torch.tensor(rows),
+                "attention_mask": torch.tensor([[int(t != 0) for t in r] for r in rows]),
+            }
+
+    prompts = [BenchPrompt(question_id=str(i), category="t", text=t) for i, t in enumerate(["abc", "hello", "xyz!"])]
+    answers = self_distill(tiny_llama, Tok(), prompts, tmp_path, max_new_tokens=4, batch_size=2, use_speculation=False)
+    cache = tmp_path / SELF_DISTILL_CACHE
+    lines = cache.read_text().splitlines(keepends=True)
+    assert len(lines) == 3
+    cache.write_text("".join(lines[:2]) + lines[2][:10])  # killed in the middle of the last line
+    again = self_distill(tiny_llama, Tok(), prompts, tmp_path, max_new_tokens=4, batch_size=2, use_speculation=False)
+    assert again == answers
+    assert len(cache.read_text().splitlines()) == 3
+    cache.write_text("not json\n")
+    with pytest.raises(ValueError, match="line 1 is not a self-distillation record"):
+        self_distill(tiny_llama, Tok(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)

@@ -43,15 +43,9 @@ def iter_dataset_documents(
     name: str, tokenizer, split: str = "train", text_column: str = "text"
 ) -> Iterator[list[int]]:
     """Token ids of each record's `text_column` of a `datasets` dataset (save_to_disk directory or Hub id/files)."""
-    import datasets
+    from ...loading import load_dataset_split
 
-    if Path(name).is_dir() and (Path(name) / "dataset_info.json").exists() or (Path(name) / "state.json").exists():
-        data = datasets.load_from_disk(name)
-        data = data[split] if isinstance(data, datasets.DatasetDict) else data
-    else:
-        data = datasets.load_dataset(name, split=split)
-    if text_column not in data.column_names:
-        raise ValueError(f"dataset {name} has no column {text_column!r}; pick one of {data.column_names}")
+    data = load_dataset_split(name, split, column=text_column)
     for text in data[text_column]:
         if text:
             yield tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -83,15 +77,8 @@ def self_distill(
         use_speculation (`bool`, *optional*, defaults to `True`): generate through hf-accel's engine with the
             context-only n-gram drafter (same greedy output, fewer target passes).
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cache_file = out / SELF_DISTILL_CACHE
-    done = {}
-    if cache_file.exists():
-        for line in cache_file.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                done[record["key"]] = record["tokens"]
+    cache_file = Path(out_dir) / SELF_DISTILL_CACHE
+    done = _read_self_distill_cache(cache_file)
     keys = [_cache_key(model_name, p.text, max_new_tokens) for p in prompts]
     todo = sorted({k: p for k, p in zip(keys, prompts) if k not in done}.items(), key=lambda kp: len(kp[1].text))
     extra = {}
@@ -102,7 +89,9 @@ def self_distill(
         extra = {"custom_generate": custom_generate, "drafter": InfinigramDrafter(None)}
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
-    with open(cache_file, "a") as cache, tqdm(total=len(todo), desc="self-distill", unit="prompt") as bar:
+    if todo:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=len(todo), desc="self-distill", unit="prompt") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             inputs = tokenizer([p.text for _, p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -111,13 +100,37 @@ def self_distill(
                     **inputs, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None,
                     top_p=None, pad_token_id=tokenizer.pad_token_id, **extra,
                 )[:, inputs["input_ids"].shape[1] :]  # fmt: skip
+            lines = []
             for (key, prompt), row in zip(batch, generated.tolist()):
-                tokens = _strip_after_eos(row, eos)
-                done[key] = tokens
-                cache.write(json.dumps({"key": key, "question_id": prompt.question_id, "tokens": tokens}) + "\n")
-            cache.flush()
+                done[key] = _strip_after_eos(row, eos)
+                lines.append(json.dumps({"key": key, "question_id": prompt.question_id, "tokens": done[key]}) + "\n")
+            with open(cache_file, "a") as cache:  # a whole batch per write: an interruption loses at most its tail
+                cache.write("".join(lines))
             bar.update(len(batch))
     return [done[k] for k in keys]
+
+
+def _read_self_distill_cache(cache_file: Path) -> dict[str, list[int]]:
+    """Answers already in the cache, by key. A last line cut short by an interruption is dropped from the file, so
+    that the next answer starts on a line of its own."""
+    if not cache_file.is_file():
+        return {}
+    data = cache_file.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) < len(data):
+        with open(cache_file, "r+b") as f:
+            f.truncate(len(complete))
+    done = {}
+    for number, line in enumerate(complete.decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+                done[record["key"]] = record["tokens"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(
+                    f"{cache_file} line {number} is not a self-distillation record; delete the file to start over"
+                ) from None
+    return done
 
 
 def _strip_after_eos(tokens: list[int], eos: set[int]) -> list[int]:

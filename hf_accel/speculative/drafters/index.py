@@ -19,7 +19,11 @@ continuation is `tokens[N - r : N - r + depth]`.
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,6 +32,7 @@ import numpy as np
 
 INDEX_FORMAT_VERSION = 1
 SEPARATOR = np.uint32(0xFFFFFFFF)
+INDEX_FILES = ("header.json", "tokens.u32", "sa.bin", "first.npy")
 # Ranges narrower than this are narrowed with one vectorised read; wider ones with a scalar binary search.
 _DENSE_RANGE = 2048
 # Ranges this small are finished with one read of every candidate's whole common prefix.
@@ -76,8 +81,6 @@ def build_index(
     """
     from pydivsufsort import divsufsort  # avoid importing the C library unless an index is built
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     chunks, num_documents = [], 0
     for doc in documents:
         array = np.asarray(doc, dtype=np.int64)
@@ -92,21 +95,47 @@ def build_index(
         raise ValueError("no tokens to index: every document was empty")
     tokens = np.concatenate(chunks)
     del chunks
-    tokens.astype("<u4").tofile(out / "tokens.u32")
-    suffix_array = divsufsort(np.ascontiguousarray(tokens[::-1]))
     sa_dtype = "int32" if len(tokens) < 2**31 else "int64"
-    suffix_array.astype(sa_dtype).tofile(out / "sa.bin")
-    del suffix_array
-    counts = np.bincount(tokens[tokens != SEPARATOR].astype(np.int64), minlength=vocab_size)
-    np.save(out / "first.npy", np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
     header = IndexHeader(
         tokenizer_name, vocab_hash, int(vocab_size), len(tokens), num_documents, sa_dtype, sources or []
     )
-    (out / "header.json").write_text(json.dumps(asdict(header), indent=1))
+    with _replacing_index_files(out_dir) as tmp:
+        tokens.astype("<u4").tofile(tmp / "tokens.u32")
+        suffix_array = divsufsort(np.ascontiguousarray(tokens[::-1]))
+        suffix_array.astype(sa_dtype).tofile(tmp / "sa.bin")
+        del suffix_array
+        counts = np.bincount(tokens[tokens != SEPARATOR].astype(np.int64), minlength=vocab_size)
+        np.save(tmp / "first.npy", np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        (tmp / "header.json").write_text(json.dumps(asdict(header), indent=1))
     return header
 
 
-INDEX_FILES = ("header.json", "tokens.u32", "sa.bin", "first.npy")
+@contextmanager
+def _replacing_index_files(out_dir: str | Path):
+    """Yields a scratch directory inside `out_dir`; when the block succeeds its files replace the index's.
+
+    `out_dir` may hold other files (the self-distillation cache), so the index's files are swapped one by one rather
+    than the whole directory: the old `header.json` goes first and the new one comes last, so an interrupted swap
+    leaves a directory that does not load as an index, never new tokens beside an old suffix array. On failure the
+    scratch directory, and `out_dir` itself if this call created it and it is empty, are removed.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is an existing file, not a directory")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".index-tmp-", dir=out))
+    try:
+        yield tmp
+        (out / "header.json").unlink(missing_ok=True)
+        for name in INDEX_FILES[::-1]:  # header.json last
+            os.replace(tmp / name, out / name)
+    except BaseException:
+        if created and not any(p != tmp for p in out.iterdir()):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_index_dir(name_or_path: str | Path) -> Path:
@@ -155,6 +184,21 @@ class InfinigramIndex:
         self.suffix_array = np.memmap(self.path / "sa.bin", dtype=self.header.sa_dtype, mode="r")
         self.first = np.load(self.path / "first.npy")
         self.num_tokens = len(self.tokens)
+        sizes = {"tokens.u32": self.num_tokens, "sa.bin": len(self.suffix_array), "first.npy": len(self.first) - 1}
+        expected = {
+            "tokens.u32": self.header.num_tokens,
+            "sa.bin": self.header.num_tokens,
+            "first.npy": self.header.vocab_size,
+        }
+        wrong = [
+            f"{name} ({sizes[name]:,} entries, header says {expected[name]:,})"
+            for name in sizes
+            if sizes[name] != expected[name]
+        ]
+        if wrong:
+            raise ValueError(
+                f"index {self.path} is inconsistent: {', '.join(wrong)}; rebuild it with `hf-accel index build`"
+            )
 
     def check_tokenizer(self, tokenizer) -> None:
         """Raises `ValueError` if the index was built with a different tokenizer than `tokenizer`."""
