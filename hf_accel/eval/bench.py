@@ -83,6 +83,19 @@ def _shares(batch: list[BenchPrompt], rows: list[list[int]]) -> dict[str, float]
     return shares
 
 
+def check_method_names(methods: list[str]) -> None:
+    """Raises `ValueError` for a method that is neither a baseline (`vanilla`, `pld`) nor a registered drafter, before
+    anything is loaded."""
+    from ..speculative.drafters import available_drafters
+
+    for method in methods:
+        name = method.partition(":")[0]
+        if name not in ("vanilla", "pld", *available_drafters()):
+            raise ValueError(
+                f"unknown method {method!r}; use vanilla, pld or a drafter: {', '.join(available_drafters())}"
+            )
+
+
 def _method_kwargs(method: str, model, tokenizer, pld_tokens: int) -> tuple[dict, bool]:
     """`generate` keyword arguments for a method, and whether it supports batch > 1."""
     if method == "vanilla":
@@ -90,28 +103,27 @@ def _method_kwargs(method: str, model, tokenizer, pld_tokens: int) -> tuple[dict
     if method == "pld":
         # transformers' assisted generation (prompt lookup included) refuses batch > 1.
         return {"prompt_lookup_num_tokens": pld_tokens}, False
+    from ..speculative import custom_generate
+    from ..speculative.drafters import build_drafter
+
     name, _, artifact = method.partition(":")
-    try:
-        from ..speculative import custom_generate
-        from ..speculative.drafters import build_drafter
-    except ImportError as err:
-        raise ValueError(f"unknown method {method!r}: the speculative engine is not available ({err})") from err
     drafter = build_drafter(name, artifact or None, model, tokenizer)
     return {"custom_generate": custom_generate, "drafter": drafter}, True
 
 
 def run_method(
     method: str,
+    extra: dict,
+    batched: bool,
     model,
     tokenizer,
     prompts: list[BenchPrompt],
     batch_size: int,
     generate_kwargs: dict,
-    pld_tokens: int = 10,
     seed: int = 0,
 ) -> MethodRun:
-    """Runs one method over all prompts (after a warm-up) and records outputs, times and target passes."""
-    extra, batched = _method_kwargs(method, model, tokenizer, pld_tokens)
+    """Runs one method (`generate` keyword arguments `extra`; `batched`: whether it takes batch > 1) over all prompts,
+    after a warm-up, and records outputs, times and target passes."""
     run = MethodRun()
     if batch_size > 1 and not batched:
         run.note = f"{method} supports batch 1 only; it ran row by row"
@@ -231,8 +243,12 @@ def bench_generate(
         generate_kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
     else:
         generate_kwargs.update(temperature=None, top_k=None, top_p=None)
+    check_method_names(methods)
+    # Every drafter (and its index) is built before the first run, so that a bad one fails in a second, not after
+    # the vanilla run.
+    prepared = {m: _method_kwargs(m, model, tokenizer, pld_tokens) for m in methods}
     runs = {
-        m: run_method(m, model, tokenizer, prompts, batch_size, generate_kwargs, pld_tokens, seed) for m in methods
+        m: run_method(m, *prepared[m], model, tokenizer, prompts, batch_size, generate_kwargs, seed) for m in methods
     }
     return {
         "prompts": len(prompts),

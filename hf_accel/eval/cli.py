@@ -63,16 +63,17 @@ def _run_ppl(args: argparse.Namespace) -> int:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from ..loading import load_model_and_tokenizer
-    from .bench import bench_generate
+    from .bench import bench_generate, check_method_names
     from .prompts import load_prompts
 
     for name in ("limit", "max_new_tokens", "batch_size", "pld_tokens"):
         _positive(name.replace("_", "-"), getattr(args, name))
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be ≥ 0, got {args.temperature}")
+    if args.temperature < 0 or args.offset < 0:
+        raise ValueError(f"--temperature and --offset must be ≥ 0, got {args.temperature} and {args.offset}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise ValueError("--methods is empty")
+    check_method_names(methods)
     load_prompts(args.prompts, None, args.limit, args.offset)  # a bad prompts file fails before the model loads
     model, tokenizer = load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     prompts = load_prompts(args.prompts, tokenizer, args.limit, args.offset)

@@ -72,6 +72,12 @@ def test_summarize_speedup_and_identity_by_hand():
         (["eval", "ppl", "--text", "pyproject.toml", "--seq-len", "0"], "must be positive"),
         (["bench", "generate", "--prompts", "/no/such.jsonl"], "not found"),
         (["bench", "generate", "--prompts", "humaneval", "--methods", ","], "empty"),
+        (["bench", "generate", "--prompts", "humaneval", "--offset", "-3"], "must be ≥ 0"),
+        # the model does not exist: the method name must be refused first
+        (
+            ["bench", "generate", "--model", "/no/such/dir", "--prompts", "humaneval", "--methods", "vanilla,nope"],
+            "unknown method 'nope'",
+        ),
         # both converters check the calibration source before loading the model
         (["convert", "care", "--kv-keep", "0.5", "--calib", "/no/such.txt", "--out", "/tmp/x"], "not found"),
         (["convert", "palu", "--kv-keep", "0.5", "--calib", "/no/such.txt", "--out", "/tmp/x"], "not found"),
@@ -92,6 +98,19 @@ def test_cli_bad_hub_id_offline_is_one_line(capsys, tmp_path):
     )
     err = capsys.readouterr().err.strip()
     assert "cannot load model 'nobody/no-such-model-xyz'" in err and len(err.splitlines()) == 1
+
+
+def test_a_bad_index_fails_before_the_vanilla_run(default_model, capsys, monkeypatch):
+    from hf_accel.eval import bench
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a method ran before every drafter was built")
+
+    monkeypatch.setattr(bench, "run_method", no_run)
+    argv = ["bench", "generate", "--prompts", "humaneval", "--limit", "1", "--methods", "vanilla,ngram:/no/such/index"]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the weight-loading progress bar
+    assert last == "hf-accel bench: error: not an Infinigram index (no header.json): /no/such/index"
 
 
 @pytest.mark.slow
