@@ -335,13 +335,13 @@ class SpeculativeEngine:
         roots = state.sequences[state.rows, state.lengths[state.rows] - 1][:, None]  # [B, 1]
         if tree is None:
             tree = DraftTree(roots.new_zeros((batch_size, 0)), roots.new_zeros((batch_size, 0)))
+        if tree.input_ids.shape[0] != batch_size:
+            raise ValueError(f"the drafter proposed {tree.input_ids.shape[0]} rows for {batch_size} active rows")
         num_nodes = tree.num_nodes + 1
         tree_ids = torch.cat([roots, tree.input_ids.to(device)], dim=1)  # [B, N]
         parent = to_verification_parents(tree.parent.to(device))
         if tree.num_aux:
             parent = torch.cat([parent, tree.aux_parent.to(device) + 1], dim=1)  # [B, N + M]
-        if tree.input_ids.shape[0] != batch_size:
-            raise ValueError(f"the drafter proposed {tree.input_ids.shape[0]} rows for {batch_size} active rows")
         validate_parents(parent)
         ancestors = compute_ancestor_matrix(parent)  # [B, N + M, N + M]
         depths = compute_depths(ancestors)

@@ -68,6 +68,7 @@ def custom_generate(
     if drafter is None:
         raise ValueError("custom_generate needs a drafter: pass `drafter=build_drafter('ngram', None, model, tok)`")
     _validate_generation_config(generation_config, synced_gpus, input_ids.shape[0])
+    _validate_model_inputs(model, model_kwargs)
     streamer = streamer if streamer is not None else _find_streamer()
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(f"streaming supports batch size 1, got {input_ids.shape[0]}; drop `streamer=` or the batch")
@@ -95,6 +96,20 @@ def _validate_generation_config(generation_config, synced_gpus, batch_size):
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
             raise ValueError(f"`{flag}=True` is not supported by hf-accel's speculative decoding; drop it")
+
+
+def _validate_model_inputs(model, model_kwargs):
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "speculative decoding needs `input_ids` (drafters read tokens); `inputs_embeds` alone is not supported"
+        )
+    if "position_ids" not in inspect.signature(model.forward).parameters or getattr(model.config, "alibi", False):
+        # Tree verification gives every node its own position; ALiBi models (Bloom, MPT) derive positions from the
+        # attention mask and would score a tree as if its nodes were one sequence.
+        raise ValueError(
+            f"{type(model).__name__} takes no per-token position ids (ALiBi), which tree verification needs; "
+            "hf-accel's speculative decoding supports models with `position_ids` (RoPE, learned positions)"
+        )
 
 
 def _find_streamer():

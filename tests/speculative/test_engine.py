@@ -208,6 +208,29 @@ def test_static_cache_is_refused_in_one_line(tiny_llama):
                             drafter=ReferenceDrafter(reference))  # fmt: skip
 
 
+def test_unsupported_calls_are_refused_in_one_line(tiny_llama):
+    from transformers import BloomConfig, BloomForCausalLM
+
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
+    with pytest.raises(ValueError, match="needs `input_ids`"):
+        tiny_llama.generate(inputs_embeds=tiny_llama.get_input_embeddings()(input_ids), max_new_tokens=8,
+                            custom_generate=custom_generate, drafter=ReferenceDrafter(reference))  # fmt: skip
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=4)).eval()
+    with pytest.raises(ValueError, match="ALiBi"):
+        bloom.generate(
+            input_ids, max_new_tokens=8, custom_generate=custom_generate, drafter=ReferenceDrafter(reference)
+        )
+
+    class WrongRows(ReferenceDrafter):
+        def propose(self, request):
+            return DraftTree.from_parent_lists([([5], [-1])] * (len(request.rows) + 1))
+
+    with pytest.raises(ValueError, match="proposed 3 rows for 2 active rows"):
+        tiny_llama.generate(input_ids.repeat(2, 1), max_new_tokens=8, custom_generate=custom_generate,
+                            drafter=WrongRows(reference))  # fmt: skip
+
+
 def test_ngram_drafter_drafts_in_transformers_assisted_loop(tiny_llama):
     # the n-gram drafter measures a plain pass before drafting: the assisted loop must report pass times to it
     from hf_accel.speculative.drafters import InfinigramConfig, InfinigramDrafter
