@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+import torch
+
 
 def main(argv=None) -> int:
     from hf_accel.eval.prompts import load_prompts
@@ -30,6 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-batches", type=int, default=1)
     p.add_argument("--drafter", default="ngram:hf_accel/data/indexes/smollm2-135m-chat-build", help="KIND[:SOURCE]")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (seeded)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -50,14 +53,19 @@ def main(argv=None) -> int:
     tokenizer.padding_side = "left"
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     kwargs = {"custom_generate": custom_generate, "drafter": drafter, "max_new_tokens": args.max_new_tokens}
+    if args.temperature > 0:
+        kwargs.update(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
 
     def run(batch):
         inputs = tokenizer([q.text for q in batch], return_tensors="pt", padding=True)
-        return model.generate(**inputs, **kwargs, do_sample=False).speculative_stats
+        return model.generate(**inputs, **kwargs).speculative_stats
 
     run(batches[0])  # warm-up: the drafter's cost model learns pass times
     forward_seconds.clear()
     wall = drafter_s = new_tokens = 0.0
+    torch.manual_seed(0)
     for batch in batches:
         start = time.perf_counter()
         stats = run(batch)
@@ -69,6 +77,7 @@ def main(argv=None) -> int:
         "batch_size": args.batch_size,
         "num_prompts": len(prompts),
         "drafter": args.drafter,
+        "temperature": args.temperature,
         "wall_s": round(wall, 3),
         "forward_s": round(sum(forward_seconds), 3),
         "forward_share": round(sum(forward_seconds) / wall, 4),

@@ -103,7 +103,8 @@ def _validate_model_inputs(model, model_kwargs):
         raise ValueError(
             "speculative decoding needs `input_ids` (drafters read tokens); `inputs_embeds` alone is not supported"
         )
-    if "position_ids" not in inspect.signature(model.forward).parameters or getattr(model.config, "alibi", False):
+    forward = inspect.signature(type(model).forward).parameters  # the class's: an instance's may be wrapped
+    if "position_ids" not in forward or getattr(model.config, "alibi", False):
         # Tree verification gives every node its own position; ALiBi models (Bloom, MPT) derive positions from the
         # attention mask and would score a tree as if its nodes were one sequence.
         raise ValueError(

@@ -213,6 +213,12 @@ def test_unsupported_calls_are_refused_in_one_line(tiny_llama):
 
     input_ids = torch.tensor([[5, 6, 7, 8]])
     reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
+    forward = tiny_llama.forward
+    tiny_llama.forward = lambda *args, **kwargs: forward(*args, **kwargs)  # a wrapped instance forward still runs
+    out = tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate,
+                              drafter=ReferenceDrafter(reference))  # fmt: skip
+    assert torch.equal(out, reference)
+    del tiny_llama.forward
     with pytest.raises(ValueError, match="needs `input_ids`"):
         tiny_llama.generate(inputs_embeds=tiny_llama.get_input_embeddings()(input_ids), max_new_tokens=8,
                             custom_generate=custom_generate, drafter=ReferenceDrafter(reference))  # fmt: skip
