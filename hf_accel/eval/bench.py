@@ -90,6 +90,8 @@ def check_method_names(methods: list[str]) -> None:
 
     for method in methods:
         name = method.partition(":")[0]
+        if name in ("vanilla", "pld") and method != name:
+            raise ValueError(f"method {name!r} takes no ':' argument, got {method!r} (pld's window is --pld-tokens)")
         if name not in ("vanilla", "pld", *available_drafters()):
             raise ValueError(
                 f"unknown method {method!r}; use vanilla, pld or a drafter: {', '.join(available_drafters())}"
@@ -113,13 +115,14 @@ def _method_kwargs(method: str, model, tokenizer, pld_tokens: int) -> tuple[dict
 
 def run_method(
     method: str,
-    extra: dict,
-    batched: bool,
     model,
     tokenizer,
     prompts: list[BenchPrompt],
     batch_size: int,
     generate_kwargs: dict,
+    *,
+    extra: dict,
+    batched: bool,
     seed: int = 0,
 ) -> MethodRun:
     """Runs one method (`generate` keyword arguments `extra`; `batched`: whether it takes batch > 1) over all prompts,
@@ -248,7 +251,18 @@ def bench_generate(
     # the vanilla run.
     prepared = {m: _method_kwargs(m, model, tokenizer, pld_tokens) for m in methods}
     runs = {
-        m: run_method(m, *prepared[m], model, tokenizer, prompts, batch_size, generate_kwargs, seed) for m in methods
+        m: run_method(
+            m,
+            model,
+            tokenizer,
+            prompts,
+            batch_size,
+            generate_kwargs,
+            extra=prepared[m][0],
+            batched=prepared[m][1],
+            seed=seed,
+        )
+        for m in methods
     }
     return {
         "prompts": len(prompts),

@@ -47,7 +47,11 @@ def _run_build(args) -> int:
     missing = [path for path in args.text if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"text file(s) not found: {', '.join(missing)}")
-    prompt_sets = [parse_prompt_slice(source) for source in args.self_distill]  # bad slices fail before loading
+    from ..eval.prompts import load_prompts
+
+    prompt_sets = [parse_prompt_slice(source) for source in args.self_distill]
+    for name, offset, limit in prompt_sets:  # a bad slice, set name or file fails before the model loads
+        load_prompts(name, None, limit=limit, offset=offset)
     if args.self_distill:
         model, tokenizer = load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     else:
@@ -62,8 +66,6 @@ def _run_build(args) -> int:
         sources.append(f"dataset:{args.dataset}:{args.split}:{args.text_column}")
     generation_s = 0.0
     for name, offset, limit in prompt_sets:
-        from ..eval.prompts import load_prompts
-
         prompts = load_prompts(name, tokenizer, limit=limit, offset=offset)
         tic = time.perf_counter()
         documents += self_distill(

@@ -101,15 +101,15 @@ def _validate_generation_config(generation_config, synced_gpus, batch_size):
 def _validate_model_inputs(model, model_kwargs):
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(
-            "speculative decoding needs `input_ids` (drafters read tokens); `inputs_embeds` alone is not supported"
+            "speculative decoding needs `input_ids` (drafters read tokens); `inputs_embeds` is not supported"
         )
     forward = inspect.signature(type(model).forward).parameters  # the class's: an instance's may be wrapped
     if "position_ids" not in forward or getattr(model.config, "alibi", False):
-        # Tree verification gives every node its own position; ALiBi models (Bloom, MPT) derive positions from the
-        # attention mask and would score a tree as if its nodes were one sequence.
+        # Tree verification gives every node its own position; ALiBi models (Bloom, MPT, Falcon with alibi) derive
+        # positions from the attention mask and would score a tree as if its nodes were one sequence.
         raise ValueError(
-            f"{type(model).__name__} takes no per-token position ids (ALiBi), which tree verification needs; "
-            "hf-accel's speculative decoding supports models with `position_ids` (RoPE, learned positions)"
+            f"{type(model).__name__} takes no per-token `position_ids` (ALiBi or no positions), which tree "
+            "verification needs; hf-accel's speculative decoding supports models with `position_ids`"
         )
 
 

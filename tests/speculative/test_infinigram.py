@@ -232,7 +232,7 @@ def _fingerprint():
 def test_failed_rebuild_keeps_the_old_index_and_a_new_dir_is_removed(small_index, tmp_path, monkeypatch):
     import pydivsufsort
 
-    docs, index = small_index
+    _, index = small_index
     before = {p.name: p.read_bytes() for p in index.path.iterdir()}
 
     def interrupted(_):
@@ -242,20 +242,25 @@ def test_failed_rebuild_keeps_the_old_index_and_a_new_dir_is_removed(small_index
     with pytest.raises(KeyboardInterrupt):
         build_index([[3, 7, 3]], index.path, *_fingerprint())
     assert {p.name: p.read_bytes() for p in index.path.iterdir()} == before  # no scratch dir, same files
-    fresh = tmp_path / "new" / "idx"
+    fresh = tmp_path / "new" / "deeper" / "idx"
     with pytest.raises(KeyboardInterrupt):
         build_index([[3, 7, 3]], fresh, *_fingerprint())
-    assert not fresh.exists()
-    with pytest.raises(ValueError, match="no tokens to index"):
-        build_index([[]], fresh, *_fingerprint())
-    assert not fresh.exists()
+    assert not (tmp_path / "new").exists()  # nor the parents it created
 
 
 def test_an_index_with_files_of_the_wrong_size_is_refused(small_index):
     _, index = small_index
     sa = index.path / "sa.bin"
-    sa.write_bytes(sa.read_bytes()[:-4])
-    with pytest.raises(ValueError, match=r"inconsistent: sa\.bin"):
+    original = sa.read_bytes()
+    sa.write_bytes(original[:-4])
+    with pytest.raises(ValueError, match=r"sa\.bin should hold .* but it has"):
+        InfinigramIndex(index.path)
+    sa.write_bytes(sa.read_bytes()[:-1])  # not a whole number of entries
+    with pytest.raises(ValueError, match=r"sa\.bin should hold"):
+        InfinigramIndex(index.path)
+    sa.write_bytes(original)
+    (index.path / "first.npy").write_bytes(b"\x93NUMPY")
+    with pytest.raises(ValueError, match=r"first\.npy cannot be read"):
         InfinigramIndex(index.path)
 
 
@@ -273,6 +278,7 @@ def test_index_build_cli_errors_are_one_line_and_come_before_loading(tmp_path, c
         (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "x", "--batch-size", "0"],
          "at least 1"),
         (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "x[3:1]"], "empty prompt"),
+        (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "/no/such.jsonl"], "not found"),
         (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--text", str(text)], "no-such-model"),
         (["--out", str(tmp_path / "o"), "--dataset", "hf-accel-test/no-such-dataset"], "cannot load dataset"),
     ]  # fmt: skip
@@ -300,6 +306,14 @@ def test_self_distill_resumes_after_a_truncated_last_line(tiny_llama, tmp_path):
             }
 
     prompts = [BenchPrompt(question_id=str(i), category="t", text=t) for i, t in enumerate(["abc", "hello", "xyz!"])]
+
+    class Broken(Tok):
+        def __call__(self, texts, **kwargs):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        self_distill(tiny_llama, Broken(), prompts, tmp_path / "sd", max_new_tokens=4, use_speculation=False)
+    assert not (tmp_path / "sd").exists()  # a failed first batch leaves no empty --out
     answers = self_distill(tiny_llama, Tok(), prompts, tmp_path, max_new_tokens=4, batch_size=2, use_speculation=False)
     cache = tmp_path / SELF_DISTILL_CACHE
     lines = cache.read_text().splitlines(keepends=True)

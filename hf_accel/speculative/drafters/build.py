@@ -89,8 +89,6 @@ def self_distill(
         extra = {"custom_generate": custom_generate, "drafter": InfinigramDrafter(None)}
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
-    if todo:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
     with tqdm(total=len(todo), desc="self-distill", unit="prompt") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
@@ -104,6 +102,7 @@ def self_distill(
             for (key, prompt), row in zip(batch, generated.tolist()):
                 done[key] = _strip_after_eos(row, eos)
                 lines.append(json.dumps({"key": key, "question_id": prompt.question_id, "tokens": done[key]}) + "\n")
+            cache_file.parent.mkdir(parents=True, exist_ok=True)  # not before: a failed first batch leaves nothing
             with open(cache_file, "a") as cache:  # a whole batch per write: an interruption loses at most its tail
                 cache.write("".join(lines))
             bar.update(len(batch))

@@ -117,12 +117,12 @@ def _replacing_index_files(out_dir: str | Path):
     `out_dir` may hold other files (the self-distillation cache), so the index's files are swapped one by one rather
     than the whole directory: the old `header.json` goes first and the new one comes last, so an interrupted swap
     leaves a directory that does not load as an index, never new tokens beside an old suffix array. On failure the
-    scratch directory, and `out_dir` itself if this call created it and it is empty, are removed.
+    scratch directory, and the directories this call created for `out_dir` if they are empty, are removed.
     """
-    out = Path(out_dir)
+    out = Path(out_dir).absolute()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is an existing file, not a directory")
-    created = not out.exists()
+    created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".index-tmp-", dir=out))
     try:
@@ -131,8 +131,11 @@ def _replacing_index_files(out_dir: str | Path):
         for name in INDEX_FILES[::-1]:  # header.json last
             os.replace(tmp / name, out / name)
     except BaseException:
-        if created and not any(p != tmp for p in out.iterdir()):
-            shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        for directory in created:
+            if any(directory.iterdir()):
+                break
+            directory.rmdir()
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -180,25 +183,28 @@ class InfinigramIndex:
                 f"{INDEX_FORMAT_VERSION}; rebuild it with `hf-accel index build`"
             )
         self.header = IndexHeader(**raw)
-        self.tokens = np.memmap(self.path / "tokens.u32", dtype="<u4", mode="r")
-        self.suffix_array = np.memmap(self.path / "sa.bin", dtype=self.header.sa_dtype, mode="r")
-        self.first = np.load(self.path / "first.npy")
-        self.num_tokens = len(self.tokens)
-        sizes = {"tokens.u32": self.num_tokens, "sa.bin": len(self.suffix_array), "first.npy": len(self.first) - 1}
-        expected = {
-            "tokens.u32": self.header.num_tokens,
-            "sa.bin": self.header.num_tokens,
-            "first.npy": self.header.vocab_size,
-        }
-        wrong = [
-            f"{name} ({sizes[name]:,} entries, header says {expected[name]:,})"
-            for name in sizes
-            if sizes[name] != expected[name]
-        ]
-        if wrong:
+        rebuild = "; rebuild it with `hf-accel index build`"
+        header = self.header
+        for name, itemsize in (("tokens.u32", 4), ("sa.bin", np.dtype(header.sa_dtype).itemsize)):
+            path = self.path / name
+            size = path.stat().st_size if path.is_file() else None
+            if size != itemsize * header.num_tokens:  # checked before mapping: numpy's own errors name no file
+                found = "it is missing" if size is None else f"it has {size:,} bytes"
+                raise ValueError(
+                    f"index {self.path}: {name} should hold {header.num_tokens:,} entries ({itemsize * header.num_tokens:,} "
+                    f"bytes) but {found}{rebuild}"
+                )
+        try:
+            self.first = np.load(self.path / "first.npy")
+        except (OSError, ValueError) as err:
+            raise ValueError(f"index {self.path}: first.npy cannot be read ({err}){rebuild}") from None
+        if self.first.shape != (header.vocab_size + 1,):
             raise ValueError(
-                f"index {self.path} is inconsistent: {', '.join(wrong)}; rebuild it with `hf-accel index build`"
+                f"index {self.path}: first.npy has shape {self.first.shape}, expected ({header.vocab_size + 1},){rebuild}"
             )
+        self.tokens = np.memmap(self.path / "tokens.u32", dtype="<u4", mode="r")
+        self.suffix_array = np.memmap(self.path / "sa.bin", dtype=header.sa_dtype, mode="r")
+        self.num_tokens = len(self.tokens)
 
     def check_tokenizer(self, tokenizer) -> None:
         """Raises `ValueError` if the index was built with a different tokenizer than `tokenizer`."""
