@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import Trainer, TrainingArguments, set_seed
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..hub import copy_remote_code
@@ -131,6 +131,8 @@ class HealingArguments(TrainingArguments):
         # `--activation_checkpointing` (transformers' default, non-reentrant, also works with frozen embeddings
         # under LoRA) trades compute for activation memory.
         self._validate_healing()
+        if self.include_num_input_tokens_seen in ("no", False):
+            self.include_num_input_tokens_seen = "all"  # the summary, card and curve report tokens actually seen
         super().__post_init__()
 
     def _validate_healing(self) -> None:
@@ -145,6 +147,8 @@ class HealingArguments(TrainingArguments):
             )
         if (self.dataset_name is None) == (not self.train_files):
             raise ValueError("give exactly one training source: --dataset_name or --train_files")
+        if self.lora_target_modules not in ("attention", "all-linear"):
+            _lora_target_patterns(self.lora_target_modules)  # a bad regular expression fails before any loading
         for name in ("lora_r", "lora_alpha", "train_seq_len", "ppl_eval_steps", "max_train_minutes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -238,12 +242,19 @@ def resolve_lora_target_modules(model: nn.Module, spec: str = "attention") -> li
         ancestor = re.compile(r"attn|attention", re.IGNORECASE)
         chosen = [name for name in linears if any(ancestor.search(part) for part in name.split(".")[:-1])]
     else:
-        patterns = [re.compile(p.strip()) for p in spec.split(",") if p.strip()]
+        patterns = _lora_target_patterns(spec)
         chosen = [name for name in linears if any(p.search(name) for p in patterns)]
     if not chosen:
         examples = ", ".join(linears[:6])
         raise ValueError(f"lora_target_modules={spec!r} matches no linear layer; the model has e.g. {examples}")
     return sorted(chosen)
+
+
+def _lora_target_patterns(spec: str) -> list[re.Pattern]:
+    try:
+        return [re.compile(p.strip()) for p in spec.split(",") if p.strip()]
+    except re.error as err:
+        raise ValueError(f"lora_target_modules={spec!r} is not a comma-separated list of regular expressions: {err}")
 
 
 def prepare_student(model, args: HealingArguments):
@@ -318,19 +329,13 @@ def _perplexity_callback(args: HealingArguments, tokenizer, teacher):
     text = read_eval_text(path=args.validation_file)
     seq_len = args.validation_seq_len or args.train_seq_len
     history_file = Path(args.output_dir) / HISTORY_FILE
-    reference = read_history(history_file)["reference_ppl"]
+    resume = _resume_target(args) is not None
+    reference = read_history(history_file)["reference_ppl"] if resume else None  # an old run's is not this run's
     if reference is None and teacher is not None:
         reference = compute_perplexity(teacher, tokenizer, text, seq_len, args.validation_max_tokens, progress=False)
         reference = reference["ppl"]
     return PerplexityCallback(
-        tokenizer,
-        text,
-        _tokens_per_step(args),
-        args.ppl_eval_steps,
-        history_file,
-        seq_len,
-        args.validation_max_tokens,
-        reference_ppl=reference,
+        tokenizer, text, args.ppl_eval_steps, history_file, seq_len, args.validation_max_tokens, reference, resume
     )
 
 
@@ -339,11 +344,24 @@ def _resume_target(args: HealingArguments):
     if value is None or value.lower() in ("false", "no", ""):
         return None
     if value.lower() in ("true", "last", "latest"):
-        last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+        last = _last_complete_checkpoint(args.output_dir)
         if last is None:
             raise ValueError(f"--resume_from_checkpoint {value}: no checkpoint-* directory in {args.output_dir}")
         return last
     return value
+
+
+def _last_complete_checkpoint(output_dir) -> str | None:
+    """The newest `checkpoint-N` that holds a `trainer_state.json` (written last by the Trainer, so a save that was
+    interrupted is skipped for the one before it)."""
+    pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+    found = [
+        (int(m.group(1)), d)
+        for d in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+        if (m := pattern.match(d.name))
+    ]
+    complete = [(step, d) for step, d in found if (d / "trainer_state.json").is_file()]
+    return str(max(complete)[1]) if complete else None
 
 
 _CARD_SETTINGS = (
@@ -414,12 +432,9 @@ class HealingResult:
     summary: dict
 
 
-def _tokens_per_step(args: HealingArguments) -> int:
-    return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * args.train_seq_len
-
-
 def _build_trainer(args: HealingArguments) -> tuple[HealingTrainer, object, PerplexityCallback | None]:
     student, teacher, tokenizer = _load_models(args)
+    set_seed(args.seed)  # the Trainer seeds only after this, too late for the LoRA weights' initialisation
     model = prepare_student(student, args)
     with args.main_process_first(desc="tokenize and pack"):
         texts = load_text_dataset(args.dataset_name, args.dataset_config, args.dataset_split, args.train_files)
@@ -472,7 +487,7 @@ def run_healing(args: HealingArguments) -> HealingResult:
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result = trainer.train(resume_from_checkpoint=_resume_target(args))
     summary = {"output_dir": args.output_dir, "steps": result.global_step, "trainable_parameters": trainable}
-    summary.update(train_tokens=result.global_step * _tokens_per_step(args), ppl=None, reference_ppl=None, plot=None)
+    summary.update(train_tokens=int(trainer.state.num_input_tokens_seen), ppl=None, reference_ppl=None, plot=None)
     merged = None
     if trainer.is_world_process_zero():
         trained = trainer.accelerator.unwrap_model(trainer.model)

@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
@@ -58,41 +59,46 @@ def plot_perplexity_curve(history: dict, path: str | Path, title: str | None = N
 class PerplexityCallback(TrainerCallback):
     """Measures perplexity on held-out text every `eval_steps` optimizer steps (and at steps 0 and last).
 
+    Training tokens are the Trainer's own count (`state.num_input_tokens_seen`, over all processes: the run needs
+    `include_num_input_tokens_seen`), so a last partial batch counts what it holds.
+
     Args:
         tokenizer (`PreTrainedTokenizerBase`): the model's tokenizer.
         text (`str`): held-out validation text (not the training text).
-        tokens_per_step (`int`): training tokens per optimizer step, over all processes.
         eval_steps (`int`): evaluate every this many steps.
         history_file (`str` or `Path`): where the history is kept (see the module docstring).
         seq_len (`int`, *optional*, defaults to 512): perplexity window.
         max_tokens (`int`, *optional*): score only the first `max_tokens` tokens of `text`.
         reference_ppl (`float`, *optional*): the original model's perplexity on the same text, for the plot.
+        resume (`bool`, *optional*, defaults to `False`): continue the history file's curve (a resumed run); a new
+            run starts its own.
     """
 
     def __init__(
         self,
         tokenizer,
         text: str,
-        tokens_per_step: int,
         eval_steps: int,
         history_file,
         seq_len: int = 512,
         max_tokens: int | None = None,
         reference_ppl: float | None = None,
+        resume: bool = False,
     ):
         if eval_steps <= 0:
             raise ValueError(f"eval_steps must be positive, got {eval_steps}")
         self.tokenizer, self.text, self.seq_len, self.max_tokens = tokenizer, text, seq_len, max_tokens
-        self.tokens_per_step, self.eval_steps = tokens_per_step, eval_steps
+        self.eval_steps, self.resume = eval_steps, resume
         self.history_file = Path(history_file)
         self.history = {"reference_ppl": reference_ppl, "points": []}
 
-    def _evaluate(self, model, step: int) -> None:
+    def _evaluate(self, model, state) -> None:
         was_training = model.training
         model.eval()
         result = compute_perplexity(model, self.tokenizer, self.text, self.seq_len, self.max_tokens, progress=False)
         model.train(was_training)
-        point = {"step": step, "tokens": step * self.tokens_per_step, "ppl": result["ppl"]}
+        step = state.global_step
+        point = {"step": step, "tokens": int(state.num_input_tokens_seen), "ppl": result["ppl"]}
         self.history["points"].append(point)
         self.history_file.parent.mkdir(parents=True, exist_ok=True)
         self.history_file.write_text(json.dumps(self.history, indent=1), encoding="utf-8")
@@ -104,24 +110,28 @@ class PerplexityCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
             return
-        # A resumed run keeps the points measured before its checkpoint.
-        previous = read_history(self.history_file)["points"]
-        self.history["points"] = [p for p in previous if p["step"] <= state.global_step]
+        if self.resume:  # a resumed run keeps the points measured before its checkpoint
+            previous = read_history(self.history_file)["points"]
+            self.history["points"] = [p for p in previous if p["step"] <= state.global_step]
         if not self._evaluated(state.global_step):
-            self._evaluate(model, state.global_step)
+            self._evaluate(model, state)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.is_world_process_zero and state.global_step % self.eval_steps == 0:
-            self._evaluate(model, state.global_step)
+            self._evaluate(model, state)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if state.is_world_process_zero and not self._evaluated(state.global_step):
-            self._evaluate(model, state.global_step)
+            self._evaluate(model, state)
 
 
 class TimeBudgetCallback(TrainerCallback):
     """Stops training after `max_minutes` of wall time since training began (validation included), at the end of
     the first optimizer step past the budget; the Trainer then saves and finishes as after its last step.
+
+    Under distributed training the processes decide together (any one past the budget stops all of them at the same
+    step): clocks differ by the main process's validation, and a process that stopped alone would leave the others
+    waiting in a collective.
 
     Args:
         max_minutes (`float`): the budget, in minutes of wall time for this `train()` call.
@@ -137,6 +147,11 @@ class TimeBudgetCallback(TrainerCallback):
         self.start = time.monotonic()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if time.monotonic() - self.start >= self.max_seconds:
+        over = time.monotonic() - self.start >= self.max_seconds
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor(float(over), device=args.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            over = bool(flag.item())
+        if over:
             control.should_training_stop = True
             control.should_save = True

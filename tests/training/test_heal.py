@@ -340,3 +340,84 @@ def test_time_budget_stops_training_after_the_step_that_passes_it(checkpoints, t
     assert [p["step"] for p in history["points"]] == [0, 1]
     with pytest.raises(ValueError, match="max_train_minutes must be positive"):
         _args(checkpoints, tmp_path / "bad", max_train_minutes=0)
+
+
+def _merged_lora_weights(result):
+    return {k: v for k, v in result.model.state_dict().items() if ".self_attn." in k}
+
+
+def test_same_seed_same_healed_model(checkpoints, tmp_path):
+    # LoRA's A matrices are drawn when the adapters are created, before the Trainer seeds itself.
+    runs = []
+    for i in (0, 1):
+        torch.manual_seed(100 + i)  # whatever ran before must not matter
+        runs.append(run_healing(_args(checkpoints, tmp_path / f"seed{i}", max_steps=1, validation_file=None)))
+    first, second = (_merged_lora_weights(r) for r in runs)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_a_new_run_in_a_used_directory_starts_its_own_curve(checkpoints, tmp_path):
+    out = tmp_path / "reused"
+    out.mkdir()
+    stale = {"reference_ppl": 999.0, "points": [{"step": 0, "tokens": 0, "ppl": 999.0}]}
+    (out / "ppl_history.json").write_text(json.dumps(stale))
+    run_healing(_args(checkpoints, out, max_steps=1))
+    history = json.loads((out / "ppl_history.json").read_text())
+    assert history["reference_ppl"] != 999.0 and 999.0 not in [p["ppl"] for p in history["points"]]
+
+
+def test_train_tokens_count_a_partial_last_batch(checkpoints, tmp_path):
+    args = _args(checkpoints, tmp_path / "epoch", max_steps=-1, num_train_epochs=1, max_train_blocks=5,
+                 per_device_train_batch_size=4, validation_file=None)  # fmt: skip
+    summary = run_healing(args).summary
+    assert summary["steps"] == 2 and summary["train_tokens"] == 5 * 32
+
+
+def test_bad_lora_target_regex_is_one_line_before_loading(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="not a comma-separated list of regular expressions"):
+        _args(checkpoints, tmp_path / "re", lora_target_modules="k_proj(")
+
+
+def test_resume_last_skips_an_interrupted_checkpoint(tmp_path):
+    from hf_accel.training.heal import _last_complete_checkpoint
+
+    for step, complete in ((2, True), (10, True), (12, False)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-x").mkdir()
+    assert _last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")
+    assert _last_complete_checkpoint(tmp_path / "missing") is None
+
+
+def _budget_worker(rank, port, results):
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from transformers import TrainerControl
+
+    from hf_accel.training.monitor import TimeBudgetCallback
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        callback = TimeBudgetCallback(1.0)
+        callback.start = time.monotonic() - (120.0 if rank == 1 else 0.0)  # only rank 1 is past its budget
+        control = TrainerControl()
+        callback.on_step_end(SimpleNamespace(device=torch.device("cpu")), None, control)
+        results[rank] = control.should_training_stop
+    finally:
+        dist.destroy_process_group()
+
+
+def test_time_budget_stops_every_process_at_the_same_step():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_budget_worker, args=(port, results), nprocs=2, join=True)
+    assert dict(results) == {0: True, 1: True}
