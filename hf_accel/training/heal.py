@@ -388,8 +388,10 @@ _CARD_SETTINGS = (
 def healing_settings(args: HealingArguments, summary: dict | None = None) -> dict:
     """The healing options worth showing on a model card (prefixed `healing_`), with the run's steps and tokens."""
     settings = {f"healing_{name}": getattr(args, name) for name in _CARD_SETTINGS if getattr(args, name) is not None}
+    settings = {k: getattr(v, "value", v) for k, v in settings.items()}  # enums (the scheduler) by their value
     if args.train_files:
         settings["healing_train_files"] = ", ".join(Path(f).name for f in args.train_files)
+        settings.pop("healing_dataset_split", None)  # no dataset, so no split
     if not args.use_lora:
         for name in ("healing_lora_r", "healing_lora_alpha", "healing_lora_target_modules"):
             settings.pop(name)

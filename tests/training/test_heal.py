@@ -224,6 +224,7 @@ def test_healing_settings_for_the_model_card(tmp_path):
     assert settings["healing_kd_temperature"] == 4.0 and settings["healing_kd_beta"] == 0.5
     assert settings["healing_lora_r"] == 32 and settings["healing_train_files"] == "corpus.txt"
     assert settings["healing_train_tokens"] == 5120
+    assert settings["healing_lr_scheduler_type"] == "linear" and "healing_dataset_split" not in settings
     write_model_card(tmp_path, "converted-model", "smollm2-135m", settings={"kv_keep": 0.5, **settings})
     assert "`healing_kd_beta` | `0.5`" in ModelCard.load(tmp_path / "README.md").text
 
