@@ -12,10 +12,12 @@ download of the pushed repository.
 import fnmatch
 import hashlib
 import inspect
+import json
 import os
 import re
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -259,15 +261,48 @@ def copy_remote_code(model, output_dir: str | Path, source_dir: str | Path | Non
     return copied
 
 
+def _is_peft_model(model) -> bool:
+    """Whether `model` is a PEFT model (`PeftModel`, `PeftMixedModel`): it saves an adapter, not a checkpoint."""
+    return isinstance(getattr(model, "peft_config", None), dict) and callable(getattr(model, "get_base_model", None))
+
+
+def _name_base_model_in_adapters(model, output_dir: Path, base_model: str) -> None:
+    """Writes `base_model` (a Hub id) as `base_model_name_or_path` into the `adapter_config.json` files the PEFT `model`
+    saved in `output_dir`, where PEFT wrote the local directory the base was loaded from: the adapter then points
+    where the card does, and loads on another machine. The model's own configs are left as they are."""
+    for name in model.peft_config:
+        path = output_dir / ("" if name == "default" else name) / "adapter_config.json"
+        if path.is_file():
+            config = json.loads(path.read_text(encoding="utf-8"))
+            config["base_model_name_or_path"] = base_model
+            path.write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+
+
+def _save_model(model, output_dir: Path, base_model: str) -> None:
+    """`model.save_pretrained(output_dir)`, plus the remote code its config's `auto_map` names. A PEFT model saves an
+    adapter that names the Hub id `base_model`, and no remote code: its config is the base model's, whose own
+    repository holds that code."""
+    model.save_pretrained(output_dir)
+    if _is_peft_model(model):
+        _name_base_model_in_adapters(model, output_dir, base_model)
+    elif getattr(getattr(model, "config", None), "auto_map", None):
+        copy_remote_code(model, output_dir)
+
+
 def save_artifact(output_dir: str | Path, kind: str, base_model: str, *, model=None, tokenizer=None, files=(), **card):
     """Saves an artifact in the Hub's layout with its model card.
+
+    The files are added to what `output_dir` already holds (same names are replaced). They are first written to a
+    temporary directory beside it and moved in only when all of them are written, so a failed save leaves
+    `output_dir` as it was; the card is written last.
 
     Args:
         output_dir (`str` or `Path`): the directory to write.
         kind (`str`): see [`write_model_card`].
-        base_model (`str`): see [`write_model_card`].
+        base_model (`str`): see [`write_model_card`]. A PEFT model's saved `adapter_config.json` names it too (as a
+            Hub id), so that `AutoPeftModelForCausalLM.from_pretrained` finds the base on another machine.
         model (*optional*): anything with `save_pretrained(dir)` (a model, a `PeftModel`, a drafter adapter); remote
-            code named by its config's `auto_map` is copied in.
+            code named by its config's `auto_map` is copied in (not for a `PeftModel`: its base has that code).
         tokenizer (*optional*): saved beside the model.
         files (`list`, *optional*): extra files to copy in (an index, a plot, a JSON report).
         card: the other keyword arguments of [`write_model_card`].
@@ -275,16 +310,28 @@ def save_artifact(output_dir: str | Path, kind: str, base_model: str, *, model=N
     Returns:
         `Path`: the artifact directory.
     """
+    _artifact_kind(kind)
+    base_model = hub_base_model(base_model)  # both checked before anything is written
+    if card.get("ranks_plot") is not None and not Path(card["ranks_plot"]).is_file():
+        raise FileNotFoundError(f"image not found: {card['ranks_plot']}")
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    if model is not None:
-        model.save_pretrained(output_dir)
-        if getattr(getattr(model, "config", None), "auto_map", None):
-            copy_remote_code(model, output_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(output_dir)
-    for file in files:
-        shutil.copy(file, output_dir / Path(file).name)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-tmp-", dir=output_dir.parent))
+    try:
+        if model is not None:
+            _save_model(model, tmp, base_model)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for file in files:
+            shutil.copy(file, tmp / Path(file).name)
+        output_dir.mkdir(exist_ok=True)
+        for item in sorted(tmp.iterdir()):
+            target = output_dir / item.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(item, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     write_model_card(output_dir, kind, base_model, **card)
     return output_dir
 

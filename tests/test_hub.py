@@ -1,4 +1,6 @@
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,7 @@ import yaml
 
 from hf_accel.cli import main
 from hf_accel.hub import ARTIFACT_KINDS, HubError, populate_hub_cache, push_to_hub, save_artifact, write_model_card
-from tests.tiny_checkpoints import logits_in_fresh_process, sample_logits, write_tiny_remote_model
+from tests.tiny_checkpoints import logits_in_fresh_process, sample_logits, write_tiny_llama, write_tiny_remote_model
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -152,3 +154,88 @@ def test_push_without_network_is_one_clear_line(tmp_path):
 def test_push_refuses_a_directory_without_a_card(tmp_path):
     with pytest.raises(HubError, match="README.md"):
         push_to_hub(tmp_path, "me/x", token="unused")
+
+
+AUTO_PEFT_RELOAD = """
+import sys, torch
+from peft import AutoPeftModelForCausalLM
+sys.path.insert(0, {tests_parent!r})
+from tests.tiny_checkpoints import sample_logits
+model = AutoPeftModelForCausalLM.from_pretrained({name!r}, trust_remote_code=True)
+torch.save(sample_logits(model), {out!r})
+"""
+
+
+def _tiny_lora(base):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)  # init_lora_weights=False: random B, so the adapter changes the logits
+    config = LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM", init_lora_weights=False)
+    return get_peft_model(base, config)
+
+
+def test_adapter_of_a_remote_code_base_loads_by_repo_id_from_an_offline_hub_cache(tmp_path):
+    # PeftModel.config is the base's, auto_map included: the adapter needs no remote code (the base repo has it),
+    # and its adapter_config.json must name the base's Hub id, not the directory it was trained from.
+    from transformers import AutoModelForCausalLM
+
+    source = write_tiny_remote_model(tmp_path / "source", seed=1)
+    peft = _tiny_lora(AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True))
+    artifact = save_artifact(tmp_path / "adapter", "lora-adapter", "org/tiny-latent", model=peft, repo_id="me/lora")
+    assert sorted(os.listdir(artifact)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    assert _front_matter(artifact / "README.md")["base_model"] == "org/tiny-latent"
+
+    cache = tmp_path / "hub"
+    populate_hub_cache(source, "org/tiny-latent", cache_dir=cache)
+    populate_hub_cache(artifact, "me/lora", cache_dir=cache)
+    shutil.rmtree(source)  # the machine loading it does not have the trainer's directory
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    script = AUTO_PEFT_RELOAD.format(tests_parent=str(REPO_ROOT), name="me/lora", out=str(tmp_path / "logits.pt"))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), sample_logits(peft), rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_config_names_the_cards_base_model_not_the_local_directory(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    local_base = write_tiny_llama(tmp_path / "local_base")
+    peft = _tiny_lora(AutoModelForCausalLM.from_pretrained(local_base))
+    peft.add_adapter("second", peft.peft_config["default"])  # saved in second/adapter_config.json
+    artifact = save_artifact(tmp_path / "adapter", "lora-adapter", "smollm2-135m", model=peft)
+    for config_file in (artifact / "adapter_config.json", artifact / "second" / "adapter_config.json"):
+        assert json.loads(config_file.read_text())["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert _front_matter(artifact / "README.md")["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert peft.peft_config["default"].base_model_name_or_path == str(local_base)  # the caller's model is unchanged
+
+
+class _FailingModel:
+    """Writes its weights, then fails the way a save can (disk full, an unserialisable config)."""
+
+    def save_pretrained(self, output_dir):
+        (Path(output_dir) / "model.safetensors").write_bytes(b"partial")
+        raise OSError("disk full")
+
+
+def test_save_artifact_is_atomic_and_adds_to_an_existing_directory(tmp_path):
+    out = tmp_path / "artifact"
+    with pytest.raises(OSError, match="disk full"):
+        save_artifact(out, "lora-adapter", "org/base", model=_FailingModel())
+    assert os.listdir(tmp_path) == []  # no half-written artifact, no temporary directory
+
+    out.mkdir()
+    (out / "ranks.png").write_bytes(b"png")
+    (out / "notes.txt").write_text("kept")
+    with pytest.raises(OSError, match="disk full"):
+        save_artifact(out, "lora-adapter", "org/base", model=_FailingModel())
+    assert sorted(os.listdir(tmp_path)) == ["artifact"] and sorted(os.listdir(out)) == ["notes.txt", "ranks.png"]
+
+    save_artifact(out, "converted-model", "org/base", files=[out / "notes.txt"])
+    assert sorted(os.listdir(tmp_path)) == ["artifact"]
+    assert sorted(os.listdir(out)) == ["README.md", "notes.txt", "ranks.png"]
+    assert (out / "notes.txt").read_text() == "kept"
+    card = (out / "README.md").read_text()
+    assert "# artifact" in card and "(ranks.png)" in card  # titled after the directory, not the temporary one

@@ -594,6 +594,7 @@ def save_palu(
             tmp,
             "converted-model",
             base_model,
+            model_name=out.resolve().name,  # not the temporary directory's
             model=palu_model,
             tokenizer=tokenizer,
             description="Palu: grouped low-rank K/V projections; the cache stores per-group latents. "

@@ -175,6 +175,7 @@ def test_fresh_process_load_gives_same_logits(palu, tokenizer, tmp_path, block_h
         "base_cache_bytes_per_token": 2,
     }
     path = save_palu(palu, tokenizer, tmp_path / "palu", info, base_model="org/tiny")
+    assert "\n# palu\n" in (path / "README.md").read_text()  # titled after --out, not the temporary directory
     ids = _ids(2, 11)
     torch.save(ids, tmp_path / "ids.pt")
     script = RELOAD.format(
