@@ -151,10 +151,12 @@ class PaluQuantizedLayer(DynamicLayer):
         if self.window_length:  # a slice of the codes: the kernel makes it contiguous (one copy of the bytes)
             coded = coded.apply(lambda t: t[..., :num_coded, :])
         rope = {"attention_scaling": attention_scaling, "scaling": scaling}
-        scores = kernel(query_states, coded, up_proj, key_positions[:, :num_coded], inv_freq, **rope)
         if self.window_length == 0:
-            return scores
+            return kernel(query_states, coded, up_proj, key_positions, inv_freq, **rope)
         window = kernel(query_states, self.keys, up_proj, key_positions[:, num_coded:], inv_freq, **rope)
+        if num_coded == 0:  # every token is still in the window (a prompt shorter than it)
+            return window
+        scores = kernel(query_states, coded, up_proj, key_positions[:, :num_coded], inv_freq, **rope)
         return torch.cat([scores, window], dim=-1)
 
     def attend_values(self, probs: torch.Tensor, backend: str = "eager") -> torch.Tensor:
@@ -172,12 +174,14 @@ class PaluQuantizedLayer(DynamicLayer):
         from .registry import get_kernel
 
         num_coded = self.get_seq_length() - self.window_length
-        out = get_kernel("dequantize_attend", backend)(probs[..., :num_coded], self.quantized_values)
         if self.window_length == 0:
-            return out
+            return get_kernel("dequantize_attend", backend)(probs, self.quantized_values)
         batch, num_heads, q_len, _ = probs.shape
         grouped = probs[..., num_coded:].float().reshape(batch, self.values.shape[1], -1, self.window_length)
-        return out + (grouped @ self.values.float()).view(batch, num_heads, q_len, -1)
+        window = (grouped @ self.values.float()).view(batch, num_heads, q_len, -1)
+        if num_coded == 0:  # every token is still in the window
+            return window
+        return get_kernel("dequantize_attend", backend)(probs[..., :num_coded], self.quantized_values) + window
 
     def get_seq_length(self) -> int:
         """Number of cached tokens."""

@@ -116,7 +116,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2**bits - 1)
         return codes.reshape(*lead, dim).to(torch.uint8)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
-    stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(*lead, -1)[..., : dim * bits]
+    stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(*lead, 8 * packed.shape[-1])
+    stream = stream[..., : dim * bits]
     weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)
     return (stream.reshape(*lead, dim, bits) * weights).sum(-1).to(torch.uint8)
 

@@ -18,10 +18,11 @@ from hf_accel.kernels.quant import (
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("dim", [8, 13, 64])
-def test_pack_round_trip_and_size(bits, dim):
-    codes = torch.randint(0, 2**bits, (3, 4, dim), dtype=torch.uint8)
+@pytest.mark.parametrize("tokens", [4, 0])  # 0: an empty slice of a cache
+def test_pack_round_trip_and_size(bits, dim, tokens):
+    codes = torch.randint(0, 2**bits, (3, tokens, dim), dtype=torch.uint8)
     packed = pack_codes(codes, bits)
-    assert packed.dtype == torch.uint8 and packed.shape == (3, 4, math.ceil(dim * bits / 8))
+    assert packed.dtype == torch.uint8 and packed.shape == (3, tokens, math.ceil(dim * bits / 8))
     torch.testing.assert_close(unpack_codes(packed, bits, dim), codes)
 
 

@@ -65,6 +65,21 @@ def test_generate_batch_rows_equal_single_runs(palu):
         assert torch.equal(batched[row], single[0])
 
 
+def test_a_prompt_shorter_than_the_full_precision_window_decodes(palu):
+    if not palu.config.palu_quant_bits:
+        pytest.skip("the window is part of the quantized cache")
+    prompt = _ids(1, 3, seed=4)
+    reference = palu.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)  # no window
+    palu.config.palu_residual_length = 16  # every token stays in full precision: the float latents' output
+    try:
+        windowed = palu.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)
+        palu.config.palu_quant_bits = 0
+        unquantized = palu.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)
+    finally:
+        palu.config.palu_residual_length, palu.config.palu_quant_bits = 0, 3
+    assert windowed.shape == reference.shape and torch.equal(windowed, unquantized)
+
+
 def _decode_logits(model, cache, tokens, start):
     logits = []
     for i, token in enumerate(tokens):
