@@ -35,6 +35,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bits", type=int, nargs="*", default=list(d.bits))
     parser.add_argument("--no-hadamard-bits", type=int, nargs="*", default=list(d.no_hadamard_bits))
     parser.add_argument(
+        "--residual-lengths", type=int, nargs="*", default=list(d.residual_lengths),
+        help="full-precision windows of recent tokens: extra quantized rows, scored by decoding",
+    )  # fmt: skip
+    parser.add_argument(
         "--care-methods", nargs="*", default=list(d.care_methods), help="CARE rows at the same budgets (e.g. care)"
     )
     for name in (
@@ -48,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "eval_seq_len",
         "generated_samples",
         "generated_seq_len",
+        "window_bytes_context",
         "seed",
     ):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
@@ -75,6 +80,8 @@ def main(argv=None) -> int:
         eval_seq_len=args.eval_seq_len,
         generated_samples=args.generated_samples,
         generated_seq_len=args.generated_seq_len,
+        residual_lengths=tuple(args.residual_lengths),
+        window_bytes_context=args.window_bytes_context,
         seed=args.seed,
     )
     model, tokenizer = load_model_and_tokenizer(args.model)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .memory import measure_cache_bytes_per_token
-from .perplexity import compute_perplexity
+from .perplexity import compute_perplexity, decoding_perplexity, split_windows
 
 
 @dataclass
@@ -49,31 +49,38 @@ class PaluBenchConfig:
     eval_seq_len: int = 256
     generated_samples: int = 0  # held-out model-generated sequences (0: skip)
     generated_seq_len: int = 256
+    # Full-precision windows of recent tokens: each adds a row per quantized bit width, scored by decoding (token by
+    # token through the cache, which is how a window is read) on the positions past the window; bytes per token are
+    # measured after a prefill of `window_bytes_context` tokens, since the window is a fixed cost per sequence.
+    residual_lengths: tuple = ()
+    window_bytes_context: int = 2048
     seed: int = 3
     extra: dict = field(default_factory=dict)
 
 
 @torch.no_grad()
-def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4) -> float:
-    """Perplexity over rows of token ids (each row scored alone, no padding)."""
+def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4, skip: int = 0) -> float:
+    """Perplexity over rows of token ids (each row scored alone, no padding), leaving the first `skip` predictions
+    of each row unscored."""
     total, count = 0.0, 0
     for start in range(0, len(input_ids), batch_size):
         ids = input_ids[start : start + batch_size]
-        logits = model(input_ids=ids, use_cache=False).logits.float()
+        logits = model(input_ids=ids, use_cache=False).logits.float()[:, skip:-1]
+        targets = ids[:, skip + 1 :]
         total += F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).double(), ids[:, 1:].reshape(-1), reduction="sum"
+            logits.reshape(-1, logits.shape[-1]).double(), targets.reshape(-1), reduction="sum"
         ).item()
-        count += ids[:, 1:].numel()
+        count += targets.numel()
     return math.exp(total / count)
 
 
 def measure_palu_cache_bytes_per_token(model, input_ids: torch.Tensor) -> float:
-    """Bytes the model's cache holds after a prefill of `input_ids`, per cached token (batch × length); an
-    unquantized model is measured in bfloat16 (the 2-byte reference of the issue's targets)."""
+    """Bytes the model's cache holds after a prefill of `input_ids`, per cached token (batch × length), with the
+    model in bfloat16: float latents and a quantized cache's full-precision window take 2 bytes (the fp16
+    reference of the issue's targets); packed codes, float16 scales and zero-points do not depend on it."""
     from ..models.modeling_palu import make_palu_cache
 
-    quantized = bool(getattr(model.config, "palu_quant_bits", 0))
-    measured = model if quantized else copy.deepcopy(model).to(torch.bfloat16)
+    measured = copy.deepcopy(model).to(torch.bfloat16)
     cache = make_palu_cache(measured.config) if hasattr(model.config, "palu_k_ranks") else None
     return measure_cache_bytes_per_token(measured, input_ids, cache)
 
@@ -90,6 +97,36 @@ def _evaluate(model, tokenizer, held_out: str, generated, config: PaluBenchConfi
     row["cache_bytes_per_token"] = measure_palu_cache_bytes_per_token(model, probe_ids)
     row["eval_s"] = round(time.perf_counter() - start, 1)
     return row
+
+
+def _evaluate_windowed(model, text_rows, generated, residual: int, long_probe, reference: dict) -> dict:
+    """A quantized row with a full-precision window: decoding perplexity past the window, next to the unquantized
+    model's on the same positions (`reference`), and bytes per token at `long_probe`'s length."""
+    start = time.perf_counter()
+    row = {"residual_length": residual, "ppl_text": decoding_perplexity(model, text_rows, skip=residual)}
+    if generated is not None:
+        row["ppl_generated"] = decoding_perplexity(model, generated, skip=residual)
+    row.update({f"float_{k}": v for k, v in reference.items()})
+    row["cache_bytes_per_token"] = measure_palu_cache_bytes_per_token(model, long_probe)
+    row["bytes_context"] = long_probe.shape[1]
+    row["eval_s"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def _windowed_rows(palu, bits_list, config, text_rows, generated, long_probe, common) -> list[dict]:
+    """Rows of [`_evaluate_windowed`] for every window of `config.residual_lengths` and quantized bit width."""
+    rows = []
+    for residual in config.residual_lengths:
+        palu.config.palu_quant_bits, palu.config.palu_residual_length = 0, 0
+        reference = {"ppl_text": perplexity_on_ids(palu, text_rows, skip=residual)}
+        if generated is not None:
+            reference["ppl_generated"] = perplexity_on_ids(palu, generated, skip=residual)
+        for bits in [b for b in bits_list if b]:
+            palu.config.palu_quant_bits, palu.config.palu_residual_length = bits, residual
+            row = {**common, "bits": bits, "quant_group_size": config.quant_group_size}
+            rows.append({**row, **_evaluate_windowed(palu, text_rows, generated, residual, long_probe, reference)})
+    palu.config.palu_residual_length = 0
+    return rows
 
 
 def run_palu_quality_benchmark(
@@ -151,6 +188,11 @@ def run_palu_quality_benchmark(
         )
         timings["generation_s"] = round(time.perf_counter() - start, 1)
     probe_ids = ids[:2, :64]
+    long_probe = ids.reshape(1, -1)[:, : config.window_bytes_context]
+    held_out_ids = torch.tensor(tokenizer(held_out_text, add_special_tokens=False)["input_ids"])[: config.eval_tokens]
+    text_rows = torch.stack(
+        [w for w in split_windows(held_out_ids, config.eval_seq_len) if len(w) == config.eval_seq_len]
+    )
     base = _evaluate(model, tokenizer, held_out_text, generated, config, probe_ids)
     if progress:
         tqdm.write(json.dumps({"base": base, **timings}), file=sys.stderr)
@@ -174,19 +216,23 @@ def run_palu_quality_benchmark(
                 quant_group_size=config.quant_group_size,
                 progress=False,
             )
+
+            common = {
+                "converter": "palu",
+                "group_size": group_size,
+                "ranks": ranks,
+                "kv_keep": kv_keep,
+                "kv_keep_achieved": round(info["kv_keep_achieved"], 4),
+                "hadamard": hadamard,
+            }
             for bits in bits_list:
                 palu.config.palu_quant_bits = bits  # a runtime setting: same factors, other cache
-                row = {
-                    "converter": "palu",
-                    "group_size": group_size,
-                    "ranks": ranks,
-                    "kv_keep": kv_keep,
-                    "kv_keep_achieved": round(info["kv_keep_achieved"], 4),
-                    "hadamard": hadamard,
-                    "bits": bits,
-                    "quant_group_size": config.quant_group_size if bits else None,
-                }
+                row = {**common, "bits": bits, "quant_group_size": config.quant_group_size if bits else None}
                 row.update(_evaluate(palu, tokenizer, held_out_text, generated, config, probe_ids))
+                rows.append(row)
+                if progress:
+                    tqdm.write(json.dumps(row), file=sys.stderr)
+            for row in _windowed_rows(palu, bits_list, config, text_rows, generated, long_probe, common):
                 rows.append(row)
                 if progress:
                     tqdm.write(json.dumps(row), file=sys.stderr)
@@ -223,6 +269,9 @@ def format_palu_table(report: dict) -> str:
         bits = (
             f"{r['bits']} (g{r['quant_group_size']})" if r["bits"] and r.get("quant_group_size") else r["bits"] or 16
         )
+        if r.get("residual_length"):  # scored past the window: the float model's ppl on those positions beside it
+            floats = " / ".join(f"{r[k]:.2f}" for k in ("float_ppl_text", "float_ppl_generated") if k in r)
+            bits = f"{bits} + {r['residual_length']} fp (float there: {floats}; bytes at {r['bytes_context']} tokens)"
         gs = "CARE" if r.get("converter") == "care" else r["group_size"]
         lines.append(f"| {gs} | {r['ranks']} | {r['kv_keep']} | {wht} | {bits} |" + fmt(r))
     return "\n".join(lines)

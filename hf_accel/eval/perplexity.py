@@ -89,6 +89,37 @@ def compute_perplexity(
     return {"ppl": math.exp(mean_nll), "nll": mean_nll, "tokens": total_tokens, "seq_len": seq_len}
 
 
+@torch.no_grad()
+def decoding_perplexity(model, input_ids: torch.Tensor, skip: int = 0, batch_size: int = 16) -> float:
+    """Perplexity of rows of token ids scored by teacher-forced decoding: one token per forward pass, each read back
+    from the model's own cache, as `generate` reads it.
+
+    A prefill scores every position against one state of the cache. A cache whose contents depend on when a token
+    was added (Palu's full-precision window of the most recent tokens) must be scored the way decoding reads it.
+
+    Args:
+        model (`PreTrainedModel`): a causal LM with a cache.
+        input_ids (`torch.Tensor` of shape `[N, S]`): rows scored on their own (no padding).
+        skip (`int`, *optional*, defaults to 0): leave the first `skip` predictions of each row unscored (e.g. the
+            positions whose whole context is still in a full-precision window).
+        batch_size (`int`, *optional*, defaults to 16): rows decoded together.
+    """
+    if not 0 <= skip < input_ids.shape[1] - 1:
+        raise ValueError(f"skip must be in [0, {input_ids.shape[1] - 1}), got {skip}")
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(input_ids), batch_size):
+        rows = input_ids[start : start + batch_size].to(device)
+        cache = None
+        for t in range(rows.shape[1] - 1):
+            out = model(input_ids=rows[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            if t >= skip:  # the prediction of token t + 1
+                total += F.cross_entropy(out.logits[:, -1].double(), rows[:, t + 1], reduction="sum").item()
+                count += len(rows)
+    return math.exp(total / count)
+
+
 def read_eval_text(path: str | None = None, dataset: str | None = None, split: str = "test", column: str = "text"):
     """Reads evaluation text from a plain text file (WikiText raw style) or a `datasets` dataset.
 

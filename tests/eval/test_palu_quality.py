@@ -14,15 +14,27 @@ def test_full_rank_palu_and_care_rows_match_the_original_under_mixed_calibration
         group_sizes=(2,), rank_methods=("uniform",), kv_keeps=(1.0,), bits=(4,), no_hadamard_bits=(),
         calib_samples=4, calib_generated_samples=2, calib_seq_len=32, fisher_samples=2, rank_multiple=1,
         eval_tokens=256, eval_seq_len=64, generated_samples=2, generated_seq_len=16, care_methods=("care",),
+        residual_lengths=(4,), window_bytes_context=96,
     )  # fmt: skip
     report = run_palu_quality_benchmark(model, tokenizer, CALIB_TEXT[:20000], CALIB_TEXT[20000:], config, False)
     base, rows = report["base"], report["rows"]
-    assert [(r["converter"], r["bits"]) for r in rows] == [("palu", 0), ("palu", 4), ("care", 0)]
-    palu_float, palu_4bit, care = rows
+    assert [(r["converter"], r["bits"], r.get("residual_length")) for r in rows] == [
+        ("palu", 0, None), ("palu", 4, None), ("palu", 4, 4), ("care", 0, None)
+    ]  # fmt: skip
+    palu_float, palu_4bit, windowed, care = rows
+    # The window row: decoding perplexity past the window, beside the float model's on the same positions, and
+    # bytes at 96 tokens: 4-bit codes for all of them plus a 2-byte copy of the last 4.
+    assert windowed["float_ppl_text"] != palu_float["ppl_text"] and windowed["bytes_context"] == 96
+    window_bytes = palu_float["cache_bytes_per_token"] * 4 / 96  # float latents are measured in bfloat16 too
+    assert windowed["cache_bytes_per_token"] == pytest.approx(palu_4bit["cache_bytes_per_token"] + window_bytes)
+    assert abs(windowed["ppl_text"] / windowed["float_ppl_text"] - 1) < abs(
+        palu_4bit["ppl_text"] / base["ppl_text"] - 1
+    )
     for row in (palu_float, care):  # full rank: the same model, scored on the same texts
         assert row["ppl_text"] == pytest.approx(base["ppl_text"], rel=1e-4)
         assert row["ppl_generated"] == pytest.approx(base["ppl_generated"], rel=1e-4)
     assert palu_4bit["cache_bytes_per_token"] < palu_float["cache_bytes_per_token"]
     assert care["cache_bytes_per_token"] == pytest.approx(base["cache_bytes_per_token"])  # all K/V width kept
     table = format_palu_table(report)
-    assert table.count("\n| CARE | care | 1.0 |") == 1 and table.count("\n| 2 | uniform | 1.0 |") == 2
+    assert table.count("\n| CARE | care | 1.0 |") == 1 and table.count("\n| 2 | uniform | 1.0 |") == 3
+    assert "| 4 + 4 fp (float there: " in table

@@ -49,6 +49,20 @@ def test_perplexity_matches_hand_computation(seq_len, batch_size, max_tokens):
     assert result["ppl"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("skip", [0, 5])
+def test_decoding_perplexity_equals_the_prefill_one_on_a_plain_cache(skip):
+    from hf_accel.eval.perplexity import decoding_perplexity
+
+    model = make_tiny_llama()
+    ids = torch.randint(3, 97, (3, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, skip:-1].double()
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, skip + 1 :].reshape(-1))
+    assert decoding_perplexity(model, ids, skip=skip, batch_size=2) == pytest.approx(expected.exp().item(), rel=1e-5)
+    with pytest.raises(ValueError, match="skip"):
+        decoding_perplexity(model, ids, skip=11)
+
+
 def test_perplexity_rejects_too_short_text():
     with pytest.raises(ValueError, match="too short"):
         compute_perplexity(make_tiny_llama(), ByteTokenizer(), "a", 8, progress=False)
