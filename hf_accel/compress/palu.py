@@ -59,7 +59,12 @@ class PaluConversionConfig:
         default=0,
         metadata={"help": "Channels per scale/zero-point; 0: a group's whole latent. Must divide rank_multiple."},
     )
-    residual_length: int = field(default=0, metadata={"help": "Recent tokens also cached in full precision."})
+    residual_length: int = field(
+        default=0,
+        metadata={
+            "help": "Most recent tokens also served in full precision (quantized latents only; a fixed cost per sequence)."
+        },
+    )
     kernel_backend: str = field(default="eager", metadata={"help": "'eager' or 'triton' kernels at run time."})
     seed: int = field(default=3, metadata={"help": "Seed of the calibration window sampling."})
 
@@ -85,6 +90,10 @@ class PaluConversionConfig:
                 f"quant_group_size must be 0 (one scale per latent) or divide rank_multiple {self.rank_multiple}, so "
                 f"that it divides every group rank; got {self.quant_group_size!r}"
             )
+        if not isinstance(self.residual_length, int) or self.residual_length < 0:
+            raise ValueError(f"residual_length must be a non-negative integer, got {self.residual_length!r}")
+        if self.residual_length and not self.quant_bits:
+            raise ValueError("residual_length is a full-precision window of a quantized cache: it needs quant_bits")
         if self.calib_samples < 1 or self.calib_seq_len < 2 or (self.ranks == "fisher" and self.fisher_samples < 1):
             raise ValueError("calib_samples, fisher_samples must be ≥ 1 and calib_seq_len ≥ 2")
         if not 0.0 <= self.alpha < 1.0:
@@ -471,6 +480,8 @@ def convert_palu(
         "fisher_scores": scores,
         "calibration_tokens": calibration.tokens,
         "cache_bytes_per_token": expected_cache_bytes_per_token(palu.config),
+        # the full-precision window: a fixed cost per sequence, 2-byte latents of its most recent tokens
+        "window_bytes_per_sequence": conversion.residual_length * num_groups * (sum(k_ranks) + sum(v_ranks)) * 2,
         "base_cache_bytes_per_token": total_width * 2,  # float16 keys and values
         "timings": timings,
     }
@@ -587,7 +598,7 @@ def save_palu(
     with atomic_output_dir(out, overwrite) as tmp:  # checks `out` (file, non-empty directory) first
         write_palu_kernels_file(tmp / "palu_kernels.py")  # before save_artifact: it keeps files already there
         (tmp / "palu_ranks.json").write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
-        keys = ("kv_keep", "group_size", "ranks", "quant_bits", "quant_group_size", "hadamard")
+        keys = ("kv_keep", "group_size", "ranks", "quant_bits", "quant_group_size", "residual_length", "hadamard")
         settings = {k: info["settings"][k] for k in keys}
         settings.update(kv_keep_achieved=round(info["kv_keep_achieved"], 4), grouping=info["grouping"])
         save_artifact(
@@ -625,6 +636,10 @@ def add_palu_parser(convert_commands) -> None:
         default=0,
         help="channels per scale/zero-point (0: whole latent; divides --rank-multiple)",
     )
+    parser.add_argument(
+        "--residual-length", type=int, default=0,
+        help="most recent tokens also served in full precision (with --quant-bits; a fixed cost per sequence)",
+    )  # fmt: skip
     parser.add_argument("--no-hadamard", action="store_true", help="do not fold the Walsh–Hadamard rotation")
     parser.add_argument(
         "--calib", default="generated", help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]"
@@ -662,6 +677,7 @@ def _run_convert_palu(args) -> int:
         ranks=args.ranks,
         quant_bits=args.quant_bits,
         quant_group_size=args.quant_group_size,
+        residual_length=args.residual_length,
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
         fisher_samples=args.fisher_samples,
@@ -690,6 +706,7 @@ def _run_convert_palu(args) -> int:
         fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,
         quant_group_size=args.quant_group_size,
+        residual_length=args.residual_length,
     )
     save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
     summary = {
@@ -701,10 +718,12 @@ def _run_convert_palu(args) -> int:
         "ranks": args.ranks,
         "quant_bits": args.quant_bits,
         "quant_group_size": args.quant_group_size,
+        "residual_length": args.residual_length,
         "hadamard": not args.no_hadamard,
         "k_ranks": info["k_ranks"],
         "v_ranks": info["v_ranks"],
         "cache_bytes_per_token": info["cache_bytes_per_token"],
+        "window_bytes_per_sequence": info["window_bytes_per_sequence"],
         "base_cache_bytes_per_token": info["base_cache_bytes_per_token"],
         "timings": info["timings"],
     }

@@ -168,6 +168,10 @@ def test_bad_inputs_raise_clear_errors(model, tokenizer):
         convert_palu(model, tokenizer, calibration_text="too short", **FAST)
     with pytest.raises(ValueError, match="quant_group_size must be 0 .* or divide rank_multiple 8"):
         convert_palu(model, tokenizer, rank_multiple=8, quant_group_size=3, calibration_text=CALIB_TEXT)
+    with pytest.raises(ValueError, match="residual_length is a full-precision window of a quantized cache"):
+        convert_palu(model, tokenizer, residual_length=16, calibration_text=CALIB_TEXT)
+    with pytest.raises(ValueError, match="residual_length must be a non-negative integer"):
+        convert_palu(model, tokenizer, quant_bits=3, residual_length=-1, calibration_text=CALIB_TEXT)
 
 
 def test_quant_group_size_sets_scales_per_channel_group(model, tokenizer):
@@ -214,11 +218,14 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
     err = capsys.readouterr().err
     assert "kv_keep must be in (0, 1]" in err and "group_size 3 must divide" in err
     assert not out.exists() and not list(tmp_path.glob(".palu-*"))  # nothing half-written
-    quant = ["--quant-bits", "3", "--quant-group-size", "2", "--json"]
+    quant = ["--quant-bits", "3", "--quant-group-size", "2", "--residual-length", "4", "--json"]
     assert main(base + ["--kv-keep", "0.5", "--group-size", "2"] + quant + fast) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["kv_keep_achieved"] == 0.5 and summary["quant_bits"] == 3 and summary["quant_group_size"] == 2
-    assert json.loads((out / "config.json").read_text())["palu_quant_group_size"] == 2
+    rank_sum = 2 * (sum(summary["k_ranks"]) + sum(summary["v_ranks"]))  # 2 groups per layer
+    assert summary["residual_length"] == 4 and summary["window_bytes_per_sequence"] == 4 * rank_sum * 2
+    config = json.loads((out / "config.json").read_text())
+    assert config["palu_quant_group_size"] == 2 and config["palu_residual_length"] == 4
     names = {p.name for p in out.iterdir()}
     assert {
         "config.json",

@@ -182,6 +182,7 @@ def test_fresh_process_load_gives_same_logits(palu, tokenizer, tmp_path, block_h
             "ranks": "fisher",
             "quant_bits": palu.config.palu_quant_bits,
             "quant_group_size": palu.config.palu_quant_group_size,
+            "residual_length": 0,
             "hadamard": True,
         },
         "kv_keep_achieved": 0.5,
