@@ -284,13 +284,15 @@ def _check_finite(model) -> None:
 
 
 def save_healed_model(model, tokenizer, output_dir: str | Path, source_dir: str | Path | None = None):
-    """Merges LoRA adapters (if any) and saves a checkpoint that loads like the student did.
+    """Merges LoRA adapters (if any) and saves a checkpoint that loads like the student did, in the dtype of the
+    student's checkpoint (training runs in float32; a bfloat16 conversion stays bfloat16).
 
     Args:
         model (`PreTrainedModel` or `PeftModel`): the trained student.
         tokenizer (`PreTrainedTokenizerBase`): saved beside it.
         output_dir (`str` or `Path`): the checkpoint directory.
-        source_dir (`str` or `Path`, *optional*): the student's original directory, searched for remote code.
+        source_dir (`str` or `Path`, *optional*): the student's original directory, searched for remote code and
+            read for its dtype.
 
     Returns:
         the merged `PreTrainedModel`.
@@ -300,10 +302,24 @@ def save_healed_model(model, tokenizer, output_dir: str | Path, source_dir: str 
     if isinstance(model, PeftModel):
         model = model.merge_and_unload()
     _check_finite(model)
+    dtype = _checkpoint_dtype(source_dir) if source_dir is not None else None
+    if dtype is not None and dtype != model.dtype:
+        model = model.to(dtype)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     copy_remote_code(model, output_dir, source_dir)
     return model
+
+
+def _checkpoint_dtype(source_dir) -> torch.dtype | None:
+    """The floating dtype a checkpoint's `config.json` declares, if any."""
+    config = Path(source_dir) / "config.json"
+    if not config.is_file():
+        return None
+    raw = json.loads(config.read_text(encoding="utf-8"))
+    name = raw.get("dtype") or raw.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def _load_models(args: HealingArguments):

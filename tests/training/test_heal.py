@@ -422,3 +422,19 @@ def test_time_budget_stops_every_process_at_the_same_step():
     results = mp.Manager().dict()
     mp.spawn(_budget_worker, args=(port, results), nprocs=2, join=True)
     assert dict(results) == {0: True, 1: True}
+
+
+def test_a_bfloat16_student_is_healed_in_float32_and_saved_in_bfloat16(checkpoints, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(
+        checkpoints["student"], trust_remote_code=True, dtype=torch.bfloat16
+    ).save_pretrained(source)
+    AutoTokenizer.from_pretrained(checkpoints["student"]).save_pretrained(source)
+    for name in ("configuration_tiny_latent.py", "modeling_tiny_latent.py"):
+        (source / name).write_text((checkpoints["student"] / name).read_text())
+    out = tmp_path / "healed"
+    run_healing(_args(checkpoints, out, model_name_or_path=str(source), max_steps=1, validation_file=None))
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
