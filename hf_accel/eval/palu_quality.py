@@ -113,14 +113,18 @@ def _evaluate_windowed(model, text_rows, generated, residual: int, long_probe, r
     return row
 
 
-def _windowed_rows(palu, bits_list, config, text_rows, generated, long_probe, common) -> list[dict]:
-    """Rows of [`_evaluate_windowed`] for every window of `config.residual_lengths` and quantized bit width."""
+def _windowed_rows(model, palu, bits_list, config, text_rows, generated, long_probe, common) -> list[dict]:
+    """Rows of [`_evaluate_windowed`] for every window of `config.residual_lengths` and quantized bit width, each
+    starting with `common` (the conversion). Beside each: the unquantized Palu model's perplexity (`float_*`) and
+    the original `model`'s (`float_base_*`) on the same positions."""
     rows = []
     for residual in config.residual_lengths:
         palu.config.palu_quant_bits, palu.config.palu_residual_length = 0, 0
-        reference = {"ppl_text": perplexity_on_ids(palu, text_rows, skip=residual)}
-        if generated is not None:
-            reference["ppl_generated"] = perplexity_on_ids(palu, generated, skip=residual)
+        reference = {}
+        for prefix, scored in (("", palu), ("base_", model)):
+            reference[f"{prefix}ppl_text"] = perplexity_on_ids(scored, text_rows, skip=residual)
+            if generated is not None:
+                reference[f"{prefix}ppl_generated"] = perplexity_on_ids(scored, generated, skip=residual)
         for bits in [b for b in bits_list if b]:
             palu.config.palu_quant_bits, palu.config.palu_residual_length = bits, residual
             row = {**common, "bits": bits, "quant_group_size": config.quant_group_size}
@@ -232,7 +236,7 @@ def run_palu_quality_benchmark(
                 rows.append(row)
                 if progress:
                     tqdm.write(json.dumps(row), file=sys.stderr)
-            for row in _windowed_rows(palu, bits_list, config, text_rows, generated, long_probe, common):
+            for row in _windowed_rows(model, palu, bits_list, config, text_rows, generated, long_probe, common):
                 rows.append(row)
                 if progress:
                     tqdm.write(json.dumps(row), file=sys.stderr)
