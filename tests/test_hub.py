@@ -239,3 +239,15 @@ def test_save_artifact_is_atomic_and_adds_to_an_existing_directory(tmp_path):
     assert (out / "notes.txt").read_text() == "kept"
     card = (out / "README.md").read_text()
     assert "# artifact" in card and "(ranks.png)" in card  # titled after the directory, not the temporary one
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a second filesystem (/dev/shm)")
+def test_save_artifact_into_a_link_to_another_filesystem(tmp_path):
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as elsewhere:
+        out = tmp_path / "out"
+        out.symlink_to(elsewhere)  # e.g. a mounted volume: moves from beside the link would cross filesystems
+        (tmp_path / "report.json").write_text("{}")
+        save_artifact(out, "converted-model", "org/base", files=[tmp_path / "report.json"])
+        assert sorted(os.listdir(elsewhere)) == ["README.md", "report.json"]

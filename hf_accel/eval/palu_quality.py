@@ -62,6 +62,8 @@ class PaluBenchConfig:
 def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4, skip: int = 0) -> float:
     """Perplexity over rows of token ids (each row scored alone, no padding), leaving the first `skip` predictions
     of each row unscored."""
+    if not 0 <= skip < input_ids.shape[1] - 1:
+        raise ValueError(f"skip must be in [0, {input_ids.shape[1] - 1}), got {skip}")
     total, count = 0.0, 0
     for start in range(0, len(input_ids), batch_size):
         ids = input_ids[start : start + batch_size]
@@ -97,6 +99,25 @@ def _evaluate(model, tokenizer, held_out: str, generated, config: PaluBenchConfi
     row["cache_bytes_per_token"] = measure_palu_cache_bytes_per_token(model, probe_ids)
     row["eval_s"] = round(time.perf_counter() - start, 1)
     return row
+
+
+def _check_residual_lengths(config: PaluBenchConfig) -> None:
+    """Windows must leave predictions to score in every evaluation row (checked before anything runs)."""
+    shortest = min([config.eval_seq_len] + ([config.generated_seq_len] if config.generated_samples else []))
+    bad = [r for r in config.residual_lengths if not 0 < r < shortest - 1]
+    if bad:
+        raise ValueError(
+            f"residual_lengths {bad} must be in [1, {shortest - 2}]: rows of {shortest} tokens are scored past the window"
+        )
+
+
+def _full_windows(tokenizer, text: str, config: PaluBenchConfig) -> torch.Tensor:
+    """`[N, eval_seq_len]` token windows of the held-out text (full windows only: they are decoded as a batch)."""
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])[: config.eval_tokens]
+    windows = [w for w in split_windows(ids, config.eval_seq_len) if len(w) == config.eval_seq_len]
+    if not windows:
+        raise ValueError(f"the held-out text has no full window of {config.eval_seq_len} tokens for the windowed rows")
+    return torch.stack(windows)
 
 
 def _evaluate_windowed(model, text_rows, generated, residual: int, long_probe, reference: dict) -> dict:
@@ -157,6 +178,7 @@ def run_palu_quality_benchmark(
     from ..compress.palu import convert_palu
 
     config = config or PaluBenchConfig()
+    _check_residual_lengths(config)
     timings = {}
     start = time.perf_counter()
     ids = mixed_calibration_ids(
@@ -193,10 +215,7 @@ def run_palu_quality_benchmark(
         timings["generation_s"] = round(time.perf_counter() - start, 1)
     probe_ids = ids[:2, :64]
     long_probe = ids.reshape(1, -1)[:, : config.window_bytes_context]
-    held_out_ids = torch.tensor(tokenizer(held_out_text, add_special_tokens=False)["input_ids"])[: config.eval_tokens]
-    text_rows = torch.stack(
-        [w for w in split_windows(held_out_ids, config.eval_seq_len) if len(w) == config.eval_seq_len]
-    )
+    text_rows = _full_windows(tokenizer, held_out_text, config) if config.residual_lengths else None
     base = _evaluate(model, tokenizer, held_out_text, generated, config, probe_ids)
     if progress:
         tqdm.write(json.dumps({"base": base, **timings}), file=sys.stderr)

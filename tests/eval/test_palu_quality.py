@@ -1,6 +1,7 @@
 """The Palu quality benchmark on a tiny model: one calibration and one evaluation for Palu and CARE rows."""
 
 import pytest
+import torch
 
 from hf_accel.eval.palu_quality import PaluBenchConfig, format_palu_table, run_palu_quality_benchmark
 from tests.compress.test_palu import CALIB_TEXT, TINY
@@ -39,3 +40,29 @@ def test_full_rank_palu_and_care_rows_match_the_original_under_mixed_calibration
     table = format_palu_table(report)
     assert table.count("\n| CARE | care | 1.0 |") == 1 and table.count("\n| 2 | uniform | 1.0 |") == 3
     assert "| 4 + 4 fp (float there: " in table
+
+
+def test_window_settings_are_checked_before_anything_runs_and_short_texts_still_score():
+    from hf_accel.eval.palu_quality import perplexity_on_ids
+
+    model, tokenizer = make_tiny_llama(**TINY), make_char_tokenizer()
+    small = {
+        "group_sizes": (2,),
+        "rank_methods": ("uniform",),
+        "kv_keeps": (1.0,),
+        "bits": (4,),
+        "no_hadamard_bits": (),
+    }
+    small.update(calib_samples=2, calib_seq_len=32, fisher_samples=2, rank_multiple=1, eval_seq_len=64)
+    with pytest.raises(ValueError, match=r"residual_lengths \[63\] must be in \[1, 62\]"):
+        run_palu_quality_benchmark(
+            model, tokenizer, CALIB_TEXT, CALIB_TEXT, PaluBenchConfig(**small, residual_lengths=(63,)), False
+        )
+    with pytest.raises(ValueError, match="no full window of 64 tokens"):
+        run_palu_quality_benchmark(
+            model, tokenizer, CALIB_TEXT, CALIB_TEXT[:40], PaluBenchConfig(**small, residual_lengths=(4,)), False
+        )
+    report = run_palu_quality_benchmark(model, tokenizer, CALIB_TEXT, CALIB_TEXT[:40], PaluBenchConfig(**small), False)
+    assert len(report["rows"]) == 2  # a held-out text shorter than one window is scored as before
+    with pytest.raises(ValueError, match="skip must be in"):
+        perplexity_on_ids(model, torch.zeros(1, 8, dtype=torch.long), skip=7)
