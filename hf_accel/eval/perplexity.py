@@ -44,6 +44,7 @@ def compute_perplexity(
     max_tokens: int | None = None,
     batch_size: int = 4,
     progress: bool = True,
+    decode: bool = False,
 ) -> dict:
     """Perplexity of `model` on `text` over non-overlapping windows (see the module docstring).
 
@@ -55,6 +56,9 @@ def compute_perplexity(
         max_tokens (`int`, *optional*): use only the first `max_tokens` tokens of the text.
         batch_size (`int`, *optional*, defaults to 4): windows per forward pass (full windows only).
         progress (`bool`, *optional*, defaults to `True`): show a progress bar.
+        decode (`bool`, *optional*, defaults to `False`): score each window by teacher-forced decoding through the
+            model's cache (see [`decoding_perplexity`]) instead of one prefill: what a cache with a full-precision
+            window of recent tokens (Palu's `--residual-length`) gives in `generate`. One pass per token: slow.
 
     Returns:
         `dict` with `ppl`, `nll` (mean, nats), `tokens` (predictions scored) and `seq_len`.
@@ -80,6 +84,10 @@ def compute_perplexity(
     groups += [[w] for w in windows if w.numel() != seq_len]
     for group in tqdm(groups, desc="perplexity", unit="batch", disable=not progress):
         batch = torch.stack(group).to(device)  # [b, S]
+        if decode:
+            nll, count = _decoding_nll(model, batch)
+            total_nll, total_tokens = total_nll + nll, total_tokens + count
+            continue
         logits = model(input_ids=batch, use_cache=False).logits.float()  # [b, S, V]
         for row_logits, row_ids in zip(logits, batch):
             nll, count = window_nll(row_logits, row_ids)
@@ -109,15 +117,23 @@ def decoding_perplexity(model, input_ids: torch.Tensor, skip: int = 0, batch_siz
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for start in range(0, len(input_ids), batch_size):
-        rows = input_ids[start : start + batch_size].to(device)
-        cache = None
-        for t in range(rows.shape[1] - 1):
-            out = model(input_ids=rows[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            if t >= skip:  # the prediction of token t + 1
-                total += F.cross_entropy(out.logits[:, -1].double(), rows[:, t + 1], reduction="sum").item()
-                count += len(rows)
+        nll, scored = _decoding_nll(model, input_ids[start : start + batch_size].to(device), skip)
+        total, count = total + nll, count + scored
     return math.exp(total / count)
+
+
+@torch.no_grad()
+def _decoding_nll(model, rows: torch.Tensor, skip: int = 0) -> tuple[float, int]:
+    """Summed next-token NLL of `rows` `[b, S]` decoded one token per pass through the model's cache, and the number
+    of predictions scored (all but the first `skip` of each row)."""
+    total, count, cache = 0.0, 0, None
+    for t in range(rows.shape[1] - 1):
+        out = model(input_ids=rows[:, t : t + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        if t >= skip:  # the prediction of token t + 1
+            total += F.cross_entropy(out.logits[:, -1].double(), rows[:, t + 1], reduction="sum").item()
+            count += len(rows)
+    return total, count
 
 
 def read_eval_text(path: str | None = None, dataset: str | None = None, split: str = "test", column: str = "text"):
