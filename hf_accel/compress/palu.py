@@ -601,6 +601,8 @@ def save_palu(
         keys = ("kv_keep", "group_size", "ranks", "quant_bits", "quant_group_size", "residual_length", "hadamard")
         settings = {k: info["settings"][k] for k in keys}
         settings.update(kv_keep_achieved=round(info["kv_keep_achieved"], 4), grouping=info["grouping"])
+        if info["settings"]["residual_length"]:  # the card's bytes per token leave out this fixed cost
+            settings["window_bytes_per_sequence"] = info["window_bytes_per_sequence"]
         save_artifact(
             tmp,
             "converted-model",
