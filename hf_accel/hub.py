@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,8 +292,8 @@ def save_artifact(output_dir: str | Path, kind: str, base_model: str, *, model=N
     """Saves an artifact in the Hub's layout with its model card.
 
     The files are added to what `output_dir` already holds (same names are replaced). They are first written to a
-    hidden temporary directory inside it and moved in only when all of them are written, so a failed save leaves
-    `output_dir` as it was (and removes it if it created it); the card is written last.
+    hidden directory inside it and moved in only when all of them are written ([`staged_files`]), so a failed save
+    leaves `output_dir` as it was (and removes it if it created it); the card is written last.
 
     Args:
         output_dir (`str` or `Path`): the directory to write.
@@ -310,34 +309,20 @@ def save_artifact(output_dir: str | Path, kind: str, base_model: str, *, model=N
     Returns:
         `Path`: the artifact directory.
     """
+    from .compress.export import staged_files
+
     _artifact_kind(kind)
     base_model = hub_base_model(base_model)  # both checked before anything is written
     if card.get("ranks_plot") is not None and not Path(card["ranks_plot"]).is_file():
         raise FileNotFoundError(f"image not found: {card['ranks_plot']}")
-    output_dir = Path(output_dir)
-    created = not output_dir.exists()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    # inside output_dir, so that the moves stay on its filesystem (it may be a mount point or a link elsewhere)
-    tmp = Path(tempfile.mkdtemp(prefix=".artifact-tmp-", dir=output_dir))
-    try:
+    with staged_files(output_dir) as tmp:
         if model is not None:
             _save_model(model, tmp, base_model)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for file in files:
             shutil.copy(file, tmp / Path(file).name)
-        for item in sorted(tmp.iterdir()):
-            target = output_dir / item.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(item, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created and not any(output_dir.iterdir()):
-            output_dir.rmdir()
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    output_dir = Path(output_dir)
     write_model_card(output_dir, kind, base_model, **card)
     return output_dir
 

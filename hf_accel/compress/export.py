@@ -53,6 +53,45 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
         raise
 
 
+@contextmanager
+def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
+    """Yields a scratch directory inside `out_dir` (created if needed); when the block succeeds, its entries replace
+    the entries of the same names in `out_dir`, whose other files stay (an index beside its self-distillation cache,
+    an artifact added to a directory).
+
+    Entries named in `last` are removed from `out_dir` before anything moves and moved in after everything else, so
+    an interrupted swap leaves no `last` file beside a mix of old and new ones (an index's header). Staging inside
+    `out_dir` keeps every move on its filesystem (it may be a mount point or a link elsewhere). On failure the scratch
+    directory, and the directories this call created for `out_dir` while they are still empty, are removed.
+
+    Raises:
+        `ValueError` from [`check_output_dir`] when `out_dir` is a file.
+    """
+    out = check_output_dir(out_dir, overwrite=True)
+    created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+    try:
+        yield tmp
+        for name in last:
+            (out / name).unlink(missing_ok=True)
+        staged = sorted(p.name for p in tmp.iterdir())
+        for name in [n for n in staged if n not in last] + [n for n in last if n in staged]:
+            target = out / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(tmp / name, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for directory in created:
+            if any(directory.iterdir()):
+                break
+            directory.rmdir()
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def copy_remote_code(out_dir: Path, names: list[str]) -> None:
     """Copies `hf_accel/models/<name>` files (configuration/modeling code) next to the weights."""
     for name in names:

@@ -596,7 +596,6 @@ def save_palu(
 
     out = Path(out_dir)
     with atomic_output_dir(out, overwrite) as tmp:  # checks `out` (file, non-empty directory) first
-        write_palu_kernels_file(tmp / "palu_kernels.py")  # before save_artifact: it keeps files already there
         (tmp / "palu_ranks.json").write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
         keys = ("kv_keep", "group_size", "ranks", "quant_bits", "quant_group_size", "residual_length", "hadamard")
         settings = {k: info["settings"][k] for k in keys}

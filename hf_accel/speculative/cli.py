@@ -30,6 +30,7 @@ def add_cli(commands) -> None:
 
 def _run_build(args) -> int:
     from ..cli import print_json
+    from ..compress.export import check_output_dir
     from ..loading import load_model_and_tokenizer, load_tokenizer
     from .drafters.build import (
         build_index_from_documents,
@@ -42,8 +43,7 @@ def _run_build(args) -> int:
         raise ValueError("nothing to index: pass --text FILE..., --dataset NAME, or --self-distill PROMPTS...")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise ValueError("--max-new-tokens and --batch-size must be at least 1")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out} is an existing file, not a directory")
+    check_output_dir(args.out, overwrite=True)  # a file is refused; a used index directory is rebuilt in place
     missing = [path for path in args.text if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"text file(s) not found: {', '.join(missing)}")

@@ -19,11 +19,7 @@ continuation is `tokens[N - r : N - r + depth]`.
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -99,7 +95,11 @@ def build_index(
     header = IndexHeader(
         tokenizer_name, vocab_hash, int(vocab_size), len(tokens), num_documents, sa_dtype, sources or []
     )
-    with _replacing_index_files(out_dir) as tmp:
+    from ...compress.export import staged_files
+
+    # the old header goes first and the new one last: an interrupted rebuild does not load, rather than pairing new
+    # tokens with an old suffix array
+    with staged_files(out_dir, last=("header.json",)) as tmp:
         tokens.astype("<u4").tofile(tmp / "tokens.u32")
         suffix_array = divsufsort(np.ascontiguousarray(tokens[::-1]))
         suffix_array.astype(sa_dtype).tofile(tmp / "sa.bin")
@@ -108,37 +108,6 @@ def build_index(
         np.save(tmp / "first.npy", np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
         (tmp / "header.json").write_text(json.dumps(asdict(header), indent=1))
     return header
-
-
-@contextmanager
-def _replacing_index_files(out_dir: str | Path):
-    """Yields a scratch directory inside `out_dir`; when the block succeeds its files replace the index's.
-
-    `out_dir` may hold other files (the self-distillation cache), so the index's files are swapped one by one rather
-    than the whole directory: the old `header.json` goes first and the new one comes last, so an interrupted swap
-    leaves a directory that does not load as an index, never new tokens beside an old suffix array. On failure the
-    scratch directory, and the directories this call created for `out_dir` if they are empty, are removed.
-    """
-    out = Path(out_dir).absolute()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is an existing file, not a directory")
-    created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".index-tmp-", dir=out))
-    try:
-        yield tmp
-        (out / "header.json").unlink(missing_ok=True)
-        for name in INDEX_FILES[::-1]:  # header.json last
-            os.replace(tmp / name, out / name)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for directory in created:
-            if any(directory.iterdir()):
-                break
-            directory.rmdir()
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_index_dir(name_or_path: str | Path) -> Path:
