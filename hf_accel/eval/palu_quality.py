@@ -16,17 +16,15 @@ text is sampled on CARE's held-out prompts (`EVAL_PROMPTS`), none of which calib
 
 import copy
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .memory import measure_cache_bytes_per_token
-from .perplexity import compute_perplexity, decoding_perplexity, split_windows
+from .perplexity import compute_perplexity, decoding_perplexity, perplexity_on_ids, split_windows
 
 
 @dataclass
@@ -56,24 +54,6 @@ class PaluBenchConfig:
     window_bytes_context: int = 2048
     seed: int = 3
     extra: dict = field(default_factory=dict)
-
-
-@torch.no_grad()
-def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4, skip: int = 0) -> float:
-    """Perplexity over rows of token ids (each row scored alone, no padding), leaving the first `skip` predictions
-    of each row unscored."""
-    if not 0 <= skip < input_ids.shape[1] - 1:
-        raise ValueError(f"skip must be in [0, {input_ids.shape[1] - 1}), got {skip}")
-    total, count = 0.0, 0
-    for start in range(0, len(input_ids), batch_size):
-        ids = input_ids[start : start + batch_size]
-        logits = model(input_ids=ids, use_cache=False).logits.float()[:, skip:-1]
-        targets = ids[:, skip + 1 :]
-        total += F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).double(), targets.reshape(-1), reduction="sum"
-        ).item()
-        count += targets.numel()
-    return math.exp(total / count)
 
 
 def measure_palu_cache_bytes_per_token(model, input_ids: torch.Tensor) -> float:

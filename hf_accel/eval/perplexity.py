@@ -98,6 +98,24 @@ def compute_perplexity(
 
 
 @torch.no_grad()
+def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4, skip: int = 0) -> float:
+    """Perplexity over rows of token ids (each row scored alone, no padding), leaving the first `skip` predictions
+    of each row unscored."""
+    if not 0 <= skip < input_ids.shape[1] - 1:
+        raise ValueError(f"skip must be in [0, {input_ids.shape[1] - 1}), got {skip}")
+    total, count = 0.0, 0
+    for start in range(0, len(input_ids), batch_size):
+        ids = input_ids[start : start + batch_size]
+        logits = model(input_ids=ids, use_cache=False).logits.float()[:, skip:-1]
+        targets = ids[:, skip + 1 :]
+        total += F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).double(), targets.reshape(-1), reduction="sum"
+        ).item()
+        count += targets.numel()
+    return math.exp(total / count)
+
+
+@torch.no_grad()
 def decoding_perplexity(model, input_ids: torch.Tensor, skip: int = 0, batch_size: int = 16) -> float:
     """Perplexity of rows of token ids scored by teacher-forced decoding: one token per forward pass, each read back
     from the model's own cache, as `generate` reads it.

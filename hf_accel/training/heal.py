@@ -283,7 +283,7 @@ def _check_finite(model) -> None:
             )
 
 
-def save_healed_model(model, tokenizer, output_dir: str | Path, source_dir: str | Path | None = None):
+def save_healed_model(model, tokenizer, output_dir: str | Path, source: str | Path | None = None):
     """Merges LoRA adapters (if any) and saves a checkpoint that loads like the student did, in the dtype of the
     student's checkpoint (training runs in float32; a bfloat16 conversion stays bfloat16).
 
@@ -291,8 +291,8 @@ def save_healed_model(model, tokenizer, output_dir: str | Path, source_dir: str 
         model (`PreTrainedModel` or `PeftModel`): the trained student.
         tokenizer (`PreTrainedTokenizerBase`): saved beside it.
         output_dir (`str` or `Path`): the checkpoint directory.
-        source_dir (`str` or `Path`, *optional*): the student's original directory, searched for remote code and
-            read for its dtype.
+        source (`str` or `Path`, *optional*): the student's original directory (searched for remote code, read for
+            its dtype) or Hub id (read for its dtype).
 
     Returns:
         the merged `PreTrainedModel`.
@@ -302,21 +302,24 @@ def save_healed_model(model, tokenizer, output_dir: str | Path, source_dir: str 
     if isinstance(model, PeftModel):
         model = model.merge_and_unload()
     _check_finite(model)
-    dtype = _checkpoint_dtype(source_dir) if source_dir is not None else None
+    dtype = _checkpoint_dtype(source) if source is not None else None
     if dtype is not None and dtype != model.dtype:
         model = model.to(dtype)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
-    copy_remote_code(model, output_dir, source_dir)
+    copy_remote_code(model, output_dir, source)
     return model
 
 
-def _checkpoint_dtype(source_dir) -> torch.dtype | None:
-    """The floating dtype a checkpoint's `config.json` declares, if any."""
-    config = Path(source_dir) / "config.json"
-    if not config.is_file():
+def _checkpoint_dtype(name_or_path) -> torch.dtype | None:
+    """The floating dtype a checkpoint's `config.json` declares, if any (a local directory, or a Hub id: the cached
+    or downloaded config)."""
+    from transformers import PretrainedConfig
+
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(str(name_or_path))
+    except (OSError, ValueError):
         return None
-    raw = json.loads(config.read_text(encoding="utf-8"))
     name = raw.get("dtype") or raw.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
@@ -511,8 +514,7 @@ def run_healing(args: HealingArguments) -> HealingResult:
         trained = trainer.accelerator.unwrap_model(trainer.model)
         if args.use_lora:
             trained.save_pretrained(Path(args.output_dir) / ADAPTER_DIR)
-        source = resolve_model(args.model_name_or_path)
-        merged = save_healed_model(trained, tokenizer, args.output_dir, source if Path(source).is_dir() else None)
+        merged = save_healed_model(trained, tokenizer, args.output_dir, resolve_model(args.model_name_or_path))
         if callback is not None:
             history = callback.history
             summary.update(ppl=history["points"][-1]["ppl"], reference_ppl=history["reference_ppl"])

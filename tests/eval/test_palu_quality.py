@@ -43,7 +43,7 @@ def test_full_rank_palu_and_care_rows_match_the_original_under_mixed_calibration
 
 
 def test_window_settings_are_checked_before_anything_runs_and_short_texts_still_score():
-    from hf_accel.eval.palu_quality import perplexity_on_ids
+    from hf_accel.eval.perplexity import perplexity_on_ids
 
     model, tokenizer = make_tiny_llama(**TINY), make_char_tokenizer()
     small = {

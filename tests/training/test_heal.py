@@ -438,3 +438,20 @@ def test_a_bfloat16_student_is_healed_in_float32_and_saved_in_bfloat16(checkpoin
     out = tmp_path / "healed"
     run_healing(_args(checkpoints, out, model_name_or_path=str(source), max_steps=1, validation_file=None))
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_checkpoint_dtype_reads_a_hub_id_from_the_cache(tmp_path, monkeypatch):
+    """A student given as a Hub id keeps its declared dtype too: the config comes from the Hub cache (offline)."""
+    from huggingface_hub import constants
+
+    from hf_accel.training.heal import _checkpoint_dtype
+
+    snapshot = tmp_path / "models--org--student" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "bfloat16"}))
+    (tmp_path / "models--org--student" / "refs").mkdir()
+    (tmp_path / "models--org--student" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert _checkpoint_dtype("org/student") == torch.bfloat16
+    assert _checkpoint_dtype("org/absent") is None
