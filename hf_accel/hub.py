@@ -204,6 +204,7 @@ def write_model_card(
         papers=papers,
         ranks_plot=_local_image(output_dir, ranks_plot, ("ranks*.png",)),
         ppl_plot=_local_image(output_dir, None, ("ppl_curve.png",)),
+        custom_generate=(output_dir / "custom_generate" / "generate.py").is_file(),
     )
     # Jinja leaves blank lines where optional sections are skipped.
     card = ModelCard(re.sub(r"\n{3,}", "\n\n", str(card)))
@@ -288,7 +289,48 @@ def _save_model(model, output_dir: Path, base_model: str) -> None:
         copy_remote_code(model, output_dir)
 
 
-def save_artifact(output_dir: str | Path, kind: str, base_model: str, *, model=None, tokenizer=None, files=(), **card):
+def write_custom_generate(output_dir: str | Path, drafter: str, artifact: str) -> None:
+    """Writes `custom_generate/generate.py` (a copy of [`hf_accel.speculative.repo_generate`] drafting with `drafter`
+    from `artifact`) and `custom_generate/requirements.txt` (this `hf-accel` version) into `output_dir`.
+
+    transformers runs that file for `model.generate(custom_generate=<directory or repository>,
+    trust_remote_code=True)`. `artifact` is where the drafter's files are: the directory here;
+    [`push_to_hub`] and [`populate_hub_cache`] publish the file pointing at the repository instead.
+    """
+    from importlib.metadata import version
+
+    from .speculative import repo_generate
+    from .speculative.drafters import available_drafters
+
+    if drafter not in available_drafters():
+        raise ValueError(f"unknown drafter {drafter!r}; available: {', '.join(available_drafters())}")
+    folder = Path(output_dir) / "custom_generate"
+    folder.mkdir(parents=True, exist_ok=True)
+    source = Path(repo_generate.__file__).read_text(encoding="utf-8")
+    source = _set_constant(_set_constant(source, "DRAFTER", drafter), "ARTIFACT", artifact)
+    (folder / "generate.py").write_text(source, encoding="utf-8")
+    (folder / "requirements.txt").write_text(f"hf-accel>={version('hf-accel')}\n", encoding="utf-8")
+
+
+def _set_constant(source: str, name: str, value: str) -> str:
+    """`source` with its top-level line `NAME = ...` replaced by `NAME = 'value'`."""
+    pattern = re.compile(rf"^{name} = .*$", re.MULTILINE)
+    if len(pattern.findall(source)) != 1:
+        raise ValueError(f"expected one top-level `{name} = ...` line in custom_generate/generate.py")
+    return pattern.sub(lambda _: f"{name} = {value!r}", source)
+
+
+def _published_bytes(path: Path, folder: Path, repo_id: str) -> bytes | Path:
+    """What a repository gets for `path`: the file itself, except that `custom_generate/generate.py` drafts from
+    the repository `repo_id` (it was saved naming its local directory)."""
+    if path.relative_to(folder).as_posix() != "custom_generate/generate.py":
+        return path
+    return _set_constant(path.read_text(encoding="utf-8"), "ARTIFACT", repo_id).encode()
+
+
+def save_artifact(
+    output_dir: str | Path, kind: str, base_model: str, *, model=None, tokenizer=None, files=(), drafter=None, **card
+):
     """Saves an artifact in the Hub's layout with its model card.
 
     The files are added to what `output_dir` already holds (same names are replaced). They are first written to a
@@ -304,6 +346,9 @@ def save_artifact(output_dir: str | Path, kind: str, base_model: str, *, model=N
             code named by its config's `auto_map` is copied in (not for a `PeftModel`: its base has that code).
         tokenizer (*optional*): saved beside the model.
         files (`list`, *optional*): extra files to copy in (an index, a plot, a JSON report).
+        drafter (`str`, *optional*): the registered drafter name (`ngram`, ...) of a drafter artifact: writes
+            `custom_generate/` ([`write_custom_generate`]) so that `model.generate(custom_generate=<repository>,
+            trust_remote_code=True)` drafts with it.
         card: the other keyword arguments of [`write_model_card`].
 
     Returns:
@@ -322,6 +367,8 @@ def save_artifact(output_dir: str | Path, kind: str, base_model: str, *, model=N
             tokenizer.save_pretrained(tmp)
         for file in files:
             shutil.copy(file, tmp / Path(file).name)
+        if drafter is not None:
+            write_custom_generate(tmp, drafter, str(Path(output_dir).resolve()))
     output_dir = Path(output_dir)
     write_model_card(output_dir, kind, base_model, **card)
     return output_dir
@@ -367,7 +414,7 @@ def push_to_hub(
     Raises:
         `HubError`: no token, the Hub unreachable (or `HF_HUB_OFFLINE=1`), or the Hub refusing the upload.
     """
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import CommitOperationAdd, HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
     folder = Path(folder)
@@ -381,12 +428,11 @@ def push_to_hub(
     api = HfApi(token=token)
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        api.upload_folder(
-            repo_id=url.repo_id,
-            folder_path=folder,
-            commit_message=commit_message or f"Upload {folder.name}",
-            ignore_patterns=list(ignore_patterns),
-        )
+        operations = [
+            CommitOperationAdd(path.relative_to(folder).as_posix(), _published_bytes(path, folder, url.repo_id))
+            for path in _artifact_files(folder, ignore_patterns)
+        ]
+        api.create_commit(url.repo_id, operations, commit_message=commit_message or f"Upload {folder.name}")
     except HfHubHTTPError as err:  # before OSError: it is one
         raise HubError(f"the Hub refused the push to {repo_id}: {str(err).splitlines()[0]}") from err
     except _connection_errors() as err:
@@ -404,6 +450,10 @@ def _artifact_files(folder: Path, ignore_patterns) -> list[Path]:
         if not any(fnmatch.fnmatch(rel, pattern) for pattern in ignore_patterns):
             files.append(path)
     return files
+
+
+def _read(data: bytes | Path) -> bytes:
+    return data if isinstance(data, bytes) else data.read_bytes()
 
 
 def populate_hub_cache(
@@ -441,7 +491,8 @@ def populate_hub_cache(
     if repo_id.count("/") != 1:
         raise ValueError(f"repo_id must be ORG/NAME, got {repo_id!r}")
     files = _artifact_files(folder, ignore_patterns)
-    digests = {path: hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
+    published = {path: _published_bytes(path, folder, repo_id) for path in files}  # a path, or edited bytes
+    digests = {path: hashlib.sha256(_read(data)).hexdigest() for path, data in published.items()}
     if commit_hash is None:
         commit = hashlib.sha1()
         for path in files:
@@ -453,7 +504,7 @@ def populate_hub_cache(
         blob = repo / "blobs" / digests[path]
         blob.parent.mkdir(parents=True, exist_ok=True)
         if not blob.exists():
-            shutil.copyfile(path, blob)
+            blob.write_bytes(_read(published[path]))
         target = snapshot / path.relative_to(folder)
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists() or target.is_symlink():

@@ -251,3 +251,87 @@ def test_save_artifact_into_a_link_to_another_filesystem(tmp_path):
         (tmp_path / "report.json").write_text("{}")
         save_artifact(out, "converted-model", "org/base", files=[tmp_path / "report.json"])
         assert sorted(os.listdir(elsewhere)) == ["README.md", "report.json"]
+
+
+CUSTOM_GENERATE_BY_REPO_ID = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained({base!r})
+inputs = AutoTokenizer.from_pretrained({base!r})(["abcabcab", "xyzxyzxy"], return_tensors="pt", padding=True)
+plain = model.generate(**inputs, do_sample=False, max_new_tokens=16)
+ours = model.generate(**inputs, do_sample=False, max_new_tokens=16, custom_generate={repo!r}, trust_remote_code=True)
+assert torch.equal(plain, ours), (plain, ours)
+print(ours.speculative_stats.mean_accepted)
+"""
+
+
+def _tiny_index_artifact(tmp_path):
+    """A tiny Llama (character tokenizer) and an `ngram` index artifact over repetitive text, with its card."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_accel.speculative.drafters.build import build_index_from_documents
+
+    base = write_tiny_llama(tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    text = ["abcabcabcabc xyzxyzxyz " * 8]
+    build_index_from_documents([tokenizer(t)["input_ids"] for t in text], tokenizer, tmp_path / "idx", ["test"])
+    artifact = save_artifact(tmp_path / "idx", "drafter-index", "org/base", drafter="ngram", repo_id="org/idx")
+    return AutoModelForCausalLM.from_pretrained(base), tokenizer, base, artifact
+
+
+def test_a_drafter_artifact_runs_from_generate_by_its_directory(tmp_path):
+    from hf_accel.speculative import repo_generate
+
+    model, tokenizer, _, artifact = _tiny_index_artifact(tmp_path)
+    assert (artifact / "custom_generate" / "requirements.txt").read_text().startswith("hf-accel>=")
+    assert 'custom_generate="org/idx"' in (artifact / "README.md").read_text()
+    inputs = tokenizer(["abcabcab", "xyzxyzxy"], return_tensors="pt", padding=True)
+    plain = model.generate(**inputs, do_sample=False, max_new_tokens=16)
+    ours = model.generate(**inputs, do_sample=False, max_new_tokens=16, custom_generate=str(artifact),
+                          trust_remote_code=True)  # fmt: skip
+    assert torch.equal(plain, ours)
+    assert ours.speculative_stats.target_forward_passes < 16  # the index drafted, and drafts were accepted
+    # transformers runs a copy of repo_generate (in its modules cache), not this module
+    assert not repo_generate._drafters
+
+
+def test_a_published_drafter_artifact_runs_from_generate_by_repo_id(tmp_path):
+    _, _, base, artifact = _tiny_index_artifact(tmp_path)
+    cache = tmp_path / "hub"
+    snapshot = populate_hub_cache(artifact, "org/idx", cache_dir=cache)
+    assert "ARTIFACT = 'org/idx'" in (snapshot / "custom_generate" / "generate.py").read_text()
+    assert f"ARTIFACT = {str(artifact.resolve())!r}" in (artifact / "custom_generate" / "generate.py").read_text()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    script = CUSTOM_GENERATE_BY_REPO_ID.format(base=str(base), repo="org/idx")
+    proc = subprocess.run(
+        [sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout.strip().splitlines()[-1]) > 1.0
+
+
+def test_push_points_custom_generate_at_the_repository(tmp_path, monkeypatch):
+    from huggingface_hub import HfApi, RepoUrl
+
+    _, _, _, artifact = _tiny_index_artifact(tmp_path)
+    commits = []
+    monkeypatch.setattr(
+        HfApi, "create_repo", lambda self, repo_id, **kw: RepoUrl(f"https://huggingface.co/me/{repo_id}")
+    )
+    monkeypatch.setattr(
+        HfApi, "create_commit", lambda self, repo_id, operations, **kw: commits.append((repo_id, operations))
+    )
+    push_to_hub(artifact, "idx", token="hf_unused")
+    [(repo_id, operations)] = commits
+    files = {op.path_in_repo: op for op in operations}
+    assert repo_id == "me/idx" and {"README.md", "header.json", "custom_generate/requirements.txt"} <= set(files)
+    generate = files["custom_generate/generate.py"].path_or_fileobj
+    assert "ARTIFACT = 'me/idx'" in (generate if isinstance(generate, bytes) else generate.read()).decode()
+
+
+def test_write_custom_generate_refuses_an_unknown_drafter(tmp_path):
+    with pytest.raises(ValueError, match="unknown drafter 'nope'"):
+        save_artifact(tmp_path / "a", "drafter-index", "org/base", drafter="nope")
+    assert not (tmp_path / "a").exists()

@@ -75,10 +75,12 @@ def _run_build(args) -> int:
         sources.append(f"self-distill:{name}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}")
     prepare_s = time.perf_counter() - start
     header, build_s = build_index_from_documents(documents, tokenizer, args.out, sources, args.model)
+    card = _write_card(args.out, args.model, header)
     result = {
         "out": str(args.out), "model": args.model, "tokens": header.num_tokens, "documents": header.num_documents,
         "sources": sources, "prepare_s": round(prepare_s, 3), "self_distill_s": round(generation_s, 3),
         "build_s": round(build_s, 3), "build_tokens_per_s": round(header.num_tokens / max(build_s, 1e-9)),
+        "model_card": card,
     }  # fmt: skip
     if args.json:
         print_json(result)
@@ -86,7 +88,24 @@ def _run_build(args) -> int:
         print(f"index {args.out}: {header.num_tokens:,} tokens in {header.num_documents:,} documents")
         print(f"  suffix array built in {build_s:.2f} s ({result['build_tokens_per_s']:,} tokens/s)")
         print(f"  inputs prepared in {prepare_s:.1f} s (self-distillation {generation_s:.1f} s)")
+        if card is None:
+            print("  no model card: --model is not a Hub id (hf_accel.hub.save_artifact names the base model)")
     return 0
+
+
+def _write_card(out: str, model: str, header) -> str | None:
+    """Makes the index a Hub artifact (model card, `custom_generate/` for `generate(custom_generate=<repo>)`) when
+    `model` names a Hub repository; returns the card's path, or `None` for a local model directory."""
+    from ..hub import hub_base_model, save_artifact
+
+    try:
+        base_model = hub_base_model(model)
+    except ValueError:
+        return None
+    settings = {"tokens": header.num_tokens, "documents": header.num_documents, "tokenizer": header.tokenizer_name}
+    settings.update({f"source {i + 1}": source for i, source in enumerate(header.sources or [])})
+    save_artifact(out, "drafter-index", base_model, drafter="ngram", settings=settings)
+    return str(Path(out) / "README.md")
 
 
 def parse_prompt_slice(source: str) -> tuple[str, int, int | None]:

@@ -146,6 +146,13 @@ def test_registry_and_index_build_cli(tmp_path, capsys):
     assert main(["index", "build", "--out", str(tmp_path / "idx"), "--text", str(text), "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["tokens"] > 100 and result["documents"] == 1 and result["build_tokens_per_s"] > 0
+    # A Hub-ready artifact: card naming the base model, and custom_generate/ drafting from this index
+    card = (tmp_path / "idx" / "README.md").read_text()
+    assert (
+        result["model_card"] == str(tmp_path / "idx" / "README.md") and "HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    )
+    generate_py = (tmp_path / "idx" / "custom_generate" / "generate.py").read_text()
+    assert "DRAFTER = 'ngram'" in generate_py and f"ARTIFACT = {str((tmp_path / 'idx').resolve())!r}" in generate_py
     from transformers import AutoTokenizer
 
     from hf_accel.loading import resolve_model

@@ -1,0 +1,46 @@
+"""`custom_generate/generate.py` of a published hf-accel drafter: speculative decoding from the repository's name.
+
+[`hf_accel.hub.save_artifact`] with `drafter=` copies this file into the artifact as `custom_generate/generate.py`,
+with `DRAFTER` (the drafter's registered name) and `ARTIFACT` (where its files are: the saved directory, or the
+repository id once [`~hf_accel.hub.push_to_hub`] or [`~hf_accel.hub.populate_hub_cache`] publishes it) filled in.
+transformers then runs hf-accel's engine from the repository's name alone:
+
+```python
+out = model.generate(**inputs, custom_generate="ORG/NAME", trust_remote_code=True, max_new_tokens=128)
+```
+
+(transformers loads this file and calls its `generate(model=..., **arguments of the call)` in place of its own).
+Greedy output is token-identical to plain greedy `generate`. The drafter is built once per model and reused, so
+what it learns about pass costs carries over between calls; `drafter=` overrides it. The index's tokenizer check
+uses the call's `tokenizer=` or, without one, the tokenizer saved with the model. Needs `hf-accel` installed
+(`custom_generate/requirements.txt`).
+"""
+
+import weakref
+
+
+DRAFTER = "ngram"
+ARTIFACT = None
+
+_drafters = weakref.WeakKeyDictionary()  # model -> its drafter, built on the first call
+
+
+def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
+    from transformers import AutoTokenizer, GenerationMixin
+
+    from hf_accel.speculative import custom_generate
+    from hf_accel.speculative.drafters import build_drafter
+
+    if drafter is None:
+        drafter = _drafters.get(model)
+    if drafter is None:
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+            except (OSError, ValueError) as err:
+                raise ValueError(
+                    f"cannot load the tokenizer of {model.name_or_path!r} to check the drafter against it: pass "
+                    "`tokenizer=` to `generate`"
+                ) from err
+        drafter = _drafters[model] = build_drafter(DRAFTER, ARTIFACT, model, tokenizer)
+    return GenerationMixin.generate(model, *args, custom_generate=custom_generate, drafter=drafter, **kwargs)
