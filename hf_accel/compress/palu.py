@@ -42,7 +42,10 @@ class PaluConversionConfig:
     """Options of a Palu conversion (the CLI's `convert palu` flags map to these fields)."""
 
     kv_keep: float = field(default=0.5, metadata={"help": "Fraction of the K+V cache width kept, in (0, 1]."})
-    group_size: int = field(default=4, metadata={"help": "KV heads per group s (1: M-LRD, all: J-LRD)."})
+    group_size: int | None = field(
+        default=None,
+        metadata={"help": "KV heads per group s (1: M-LRD, all: J-LRD); default: the largest divisor of them ≤ 4."},
+    )
     ranks: str = field(
         default="fisher",
         metadata={"help": "Rank allocation: 'uniform', 'fisher', or 'kfac' (CARE's: water-filled σ of √C·W·√G)."},
@@ -73,7 +76,7 @@ class PaluConversionConfig:
             raise ValueError(
                 f"kv_keep must be in (0, 1] (the fraction of the K+V cache to keep), got {self.kv_keep!r}"
             )
-        if not isinstance(self.group_size, int) or self.group_size < 1:
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
             raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
         if self.ranks not in RANK_METHODS:
             raise ValueError(f"unknown rank allocation {self.ranks!r}; choose one of {', '.join(RANK_METHODS)}")
@@ -234,17 +237,44 @@ def kfac_group_ranks(
 # Factorization and model building
 
 
-def _check_model(model, group_size: int) -> None:
-    if getattr(model.config, "model_type", None) != "llama":
-        raise ValueError(f"Palu supports the llama model family, got {getattr(model.config, 'model_type', None)!r}")
-    if getattr(model.config, "attention_bias", False):
+def default_group_size(num_key_value_heads: int, preferred: int = 4) -> int:
+    """The largest divisor of the KV heads that is at most `preferred` (the paper's G-LRD uses 4 heads a group;
+    the default model's 3 KV heads give 3)."""
+    return max(s for s in range(1, min(preferred, num_key_value_heads) + 1) if num_key_value_heads % s == 0)
+
+
+# RoPE whose frequencies change with the sequence length at run time: the keys are RoPE'd at attention time from
+# latents with the layer's fixed frequencies, so these would drift from the original model past the trained length.
+_RUNTIME_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def check_palu_model(model, conversion: PaluConversionConfig) -> int:
+    """Refuses, in one line, a model or settings Palu cannot convert (before any calibration); returns the group size
+    (`conversion.group_size`, or [`default_group_size`] when it is `None`)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) != "llama":
+        raise ValueError(f"Palu supports the llama model family, got {getattr(cfg, 'model_type', None)!r}")
+    if getattr(cfg, "attention_bias", False):
         raise ValueError("Palu does not support attention biases (attention_bias=True)")
-    n_kv = model.config.num_key_value_heads
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type in _RUNTIME_ROPE_TYPES:
+        raise ValueError(f"Palu does not support rope_type {rope_type!r} (frequencies that change at run time)")
+    n_kv = cfg.num_key_value_heads
+    group_size = conversion.group_size or default_group_size(n_kv)
     if n_kv % group_size:
         raise ValueError(
             f"group_size {group_size} must divide the model's {n_kv} key/value heads "
             f"(choose one of {[s for s in range(1, n_kv + 1) if n_kv % s == 0]})"
         )
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    max_rank = min(group_size * head_dim, cfg.hidden_size)  # the rank of a group's [hidden, width] projection
+    if conversion.rank_multiple > max_rank:
+        raise ValueError(
+            f"rank_multiple {conversion.rank_multiple} exceeds a group's largest rank {max_rank} (min of the group "
+            f"width and the hidden size)"
+        )
+    return group_size
 
 
 def factorize_groups(
@@ -368,7 +398,7 @@ def convert_palu(
     model,
     tokenizer,
     kv_keep: float = 0.5,
-    group_size: int = 4,
+    group_size: int | None = None,
     ranks: str = "fisher",
     quant_bits: int = 0,
     hadamard: bool = True,
@@ -386,7 +416,8 @@ def convert_palu(
         model (`PreTrainedModel`): the original model (not modified).
         tokenizer (`PreTrainedTokenizerBase`): its tokenizer (for the calibration text).
         kv_keep (`float`, *optional*, defaults to 0.5): fraction of the K+V cache width kept, in (0, 1].
-        group_size (`int`, *optional*, defaults to 4): KV heads per group (must divide `num_key_value_heads`).
+        group_size (`int`, *optional*): KV heads per group (must divide `num_key_value_heads`); defaults to the
+            largest divisor of them that is at most 4 ([`default_group_size`]).
         ranks (`str`, *optional*, defaults to `"fisher"`): `"uniform"` or `"fisher"`.
         quant_bits (`int`, *optional*, defaults to 0): 0, or 2/3/4-bit per-token quantized latents.
         hadamard (`bool`, *optional*, defaults to `True`): fold a Walsh–Hadamard rotation into the factors.
@@ -415,17 +446,12 @@ def convert_palu(
     conversion = PaluConversionConfig(
         kv_keep=kv_keep, group_size=group_size, ranks=ranks, quant_bits=quant_bits, hadamard=hadamard, **options
     )
-    _check_model(model, group_size)
+    group_size = conversion.group_size = check_palu_model(model, conversion)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     n_kv, num_layers = cfg.num_key_value_heads, cfg.num_hidden_layers
     num_groups, width = n_kv // group_size, group_size * head_dim
     max_rank = min(width, cfg.hidden_size)  # the rank of a group's [hidden, width] projection
-    if conversion.rank_multiple > max_rank:
-        raise ValueError(
-            f"rank_multiple {conversion.rank_multiple} exceeds a group's largest rank {max_rank} (min of the group "
-            f"width and the hidden size)"
-        )
     start = time.perf_counter()
     input_ids = None
     if calibration is None or (conversion.ranks == "fisher" and fisher_scores is None):
@@ -480,8 +506,11 @@ def convert_palu(
         "fisher_scores": scores,
         "calibration_tokens": calibration.tokens,
         "cache_bytes_per_token": expected_cache_bytes_per_token(palu.config),
-        # the full-precision window: a fixed cost per sequence, 2-byte latents of its most recent tokens
-        "window_bytes_per_sequence": conversion.residual_length * num_groups * (sum(k_ranks) + sum(v_ranks)) * 2,
+        # the full-precision window: a fixed cost per sequence, its most recent tokens' latents in the model's dtype
+        "window_bytes_per_sequence": conversion.residual_length
+        * num_groups
+        * (sum(k_ranks) + sum(v_ranks))
+        * palu.dtype.itemsize,
         "base_cache_bytes_per_token": total_width * 2,  # float16 keys and values
         "timings": timings,
     }
@@ -628,7 +657,10 @@ def add_palu_parser(convert_commands) -> None:
     parser = convert_commands.add_parser("palu", help="Palu: grouped low-rank K/V latents, Fisher ranks, low-bit")
     parser.add_argument("--model", default="smollm2-135m", help="Hub id, local directory or smollm2-135m")
     parser.add_argument("--kv-keep", type=float, required=True, help="fraction of the K+V cache width kept, (0, 1]")
-    parser.add_argument("--group-size", type=int, default=4, help="KV heads per group (must divide the KV heads)")
+    parser.add_argument(
+        "--group-size", type=int, default=None,
+        help="KV heads per group (must divide the KV heads; default: the largest divisor of them ≤ 4)",
+    )  # fmt: skip
     parser.add_argument("--ranks", choices=RANK_METHODS, default="fisher")
     parser.add_argument("--quant-bits", type=int, choices=QUANT_BITS, default=0)
     parser.add_argument(
@@ -688,6 +720,7 @@ def _run_convert_palu(args) -> int:
     base_model = _card_base_model(args.base_model or args.model)
     out = check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)
+    group_size = check_palu_model(model, conversion)  # before the (slow) calibration
     ids = load_calibration_ids(
         model, tokenizer, args.calib, args.calib_samples, args.calib_seq_len, seed=conversion.seed,
         progress=not args.json,
@@ -696,7 +729,7 @@ def _run_convert_palu(args) -> int:
         model,
         tokenizer,
         kv_keep=args.kv_keep,
-        group_size=args.group_size,
+        group_size=group_size,
         ranks=args.ranks,
         quant_bits=args.quant_bits,
         hadamard=not args.no_hadamard,
@@ -715,7 +748,7 @@ def _run_convert_palu(args) -> int:
         "out": str(out),
         "kv_keep": args.kv_keep,
         "kv_keep_achieved": info["kv_keep_achieved"],
-        "group_size": args.group_size,
+        "group_size": group_size,
         "ranks": args.ranks,
         "quant_bits": args.quant_bits,
         "quant_group_size": args.quant_group_size,

@@ -65,7 +65,9 @@ class PaluQuantizedLayer(DynamicLayer):
         for states in (key_states, value_states):
             resolve_group_size(states.shape[-1], self.group_size)  # fail early on an incompatible group size
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]  # empty window [B, G, 0, r]
+        # Empty window [B, G, 0, r]: new tensors, not views (a view would keep the whole prefill's latents alive)
+        self.keys = key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1]))
+        self.values = value_states.new_empty((*value_states.shape[:-2], 0, value_states.shape[-1]))
         self.quantized_keys = self._quantize(self.keys)
         self.quantized_values = self._quantize(self.values)
         self.is_initialized = True

@@ -168,7 +168,10 @@ def cat_quantized(items: list[QuantizedLatents], dim: int) -> QuantizedLatents:
 
 
 def _round_to_dtype(x: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Tensor:
-    # Nearest representable value in `dtype` on the requested side of `x` (direction -inf: below, +inf: above)
+    # Nearest representable value in `dtype` on the requested side of `x` (direction -inf: below, +inf: above),
+    # saturated to the dtype's finite range: never inf, so a latent beyond it is clipped instead of becoming NaN
+    finfo = torch.finfo(dtype)
+    x = x.clamp(finfo.min, finfo.max)
     rounded = x.to(dtype)
     wrong_side = rounded.float() > x if direction < 0 else rounded.float() < x
     stepped = torch.nextafter(rounded, torch.full_like(rounded, direction))
@@ -187,8 +190,9 @@ def quantize_per_token(
         x (`torch.Tensor` of shape `[..., dim]`): latents; each vector along the last axis is a token.
         bits (`int`): code width, 2, 3 or 4 for Palu.
         group_size (`int`, *optional*): channels per scale/zero; `None` or `0` for the whole vector.
-        meta_dtype (`torch.dtype`, *optional*, defaults to `torch.float16`): dtype of scales and zeros; use
-            `torch.float32` (or `torch.bfloat16`) for latents whose magnitude may exceed the float16 range.
+        meta_dtype (`torch.dtype`, *optional*, defaults to `torch.float16`): dtype of scales and zeros. They
+            saturate at its largest finite value: a token whose latents reach beyond ±65504 (float16) is clipped
+            (finite, but the error bound no longer holds); use `torch.float32` for such latents.
 
     Returns:
         [`QuantizedLatents`] with codes `[..., ceil(dim·bits/8)]` and scales/zeros `[..., dim // group_size]`.

@@ -7,6 +7,7 @@ import torch
 
 from hf_accel.compress.palu import (
     convert_palu,
+    default_group_size,
     fisher_group_ranks,
     fold_values_into_o_proj,
     group_kv_weight,
@@ -174,6 +175,42 @@ def test_bad_inputs_raise_clear_errors(model, tokenizer):
         convert_palu(model, tokenizer, quant_bits=3, residual_length=-1, calibration_text=CALIB_TEXT)
 
 
+def test_default_group_size_divides_the_kv_heads(model, tokenizer):
+    assert [default_group_size(n) for n in (1, 2, 3, 4, 5, 6, 8, 32)] == [1, 2, 3, 4, 1, 3, 4, 4]
+    palu, info = convert_palu(model, tokenizer, kv_keep=0.5, ranks="uniform", calibration_text=CALIB_TEXT, **FAST)
+    assert palu.config.palu_group_size == 4 == info["settings"]["group_size"]  # TINY has 4 KV heads
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_that_changes_at_run_time_is_refused(tokenizer, rope_type):
+    # keys are RoPE'd at attention time with fixed frequencies: these would drift past the trained length
+    parameters = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 10000.0}
+    if rope_type == "longrope":
+        parameters.update(short_factor=[1.0] * 4, long_factor=[4.0] * 4, original_max_position_embeddings=16)
+    wide = make_tiny_llama(**TINY, rope_parameters=parameters, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=f"rope_type '{rope_type}'"):
+        convert_palu(wide, tokenizer, kv_keep=0.5, calibration_text=CALIB_TEXT, **FAST)
+
+
+def test_cli_checks_the_model_before_calibrating(tmp_path, model, tokenizer, capsys, monkeypatch):
+    import hf_accel.compress.palu as palu_module
+    from hf_accel.cli import main
+
+    src = tmp_path / "tiny"
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated before checking the model")
+
+    monkeypatch.setattr(palu_module, "load_calibration_ids", no_calibration)
+    argv = ["convert", "palu", "--model", str(src), "--out", str(tmp_path / "o"), "--base-model", "org/tiny"]
+    assert main(argv + ["--kv-keep", "0.5", "--group-size", "3"]) == 2
+    assert main(argv + ["--kv-keep", "0.5", "--rank-multiple", "512"]) == 2
+    err = capsys.readouterr().err
+    assert "group_size 3 must divide" in err and "rank_multiple 512 exceeds" in err
+
+
 def test_quant_group_size_sets_scales_per_channel_group(model, tokenizer):
     # 4 channels per scale/zero-point: the measured cache bytes are those of 4-channel groups, and the finer grid
     # quantizes closer to the float model than one scale per latent does
@@ -223,7 +260,8 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["kv_keep_achieved"] == 0.5 and summary["quant_bits"] == 3 and summary["quant_group_size"] == 2
     rank_sum = 2 * (sum(summary["k_ranks"]) + sum(summary["v_ranks"]))  # 2 groups per layer
-    assert summary["residual_length"] == 4 and summary["window_bytes_per_sequence"] == 4 * rank_sum * 2
+    # the window's latents are in the checkpoint's dtype (float32 here)
+    assert summary["residual_length"] == 4 and summary["window_bytes_per_sequence"] == 4 * rank_sum * 4
     config = json.loads((out / "config.json").read_text())
     assert config["palu_quant_group_size"] == 2 and config["palu_residual_length"] == 4
     assert f"`window_bytes_per_sequence` | `{summary['window_bytes_per_sequence']}`" in (out / "README.md").read_text()

@@ -259,3 +259,12 @@ def test_cache_drives_a_llama_forward_and_generate(tiny_llama):
     assert cache.get_seq_length() == 4
     generated = tiny_llama.generate(ids, past_key_values=PaluQuantizedCache(bits=4), max_new_tokens=4, do_sample=False)
     assert generated.shape == (2, 16)
+
+
+def test_the_empty_window_holds_no_prefill_memory():
+    """Without a window, the layer must not keep views of the prefill's float latents alive."""
+    layer = PaluQuantizedLayer(3)
+    k, v = _latents(50, seed=0)
+    layer.update(k, v)
+    assert layer.keys.shape[-2] == 0 and layer.values.shape[-2] == 0
+    assert layer.keys.untyped_storage().nbytes() == 0 and layer.values.untyped_storage().nbytes() == 0

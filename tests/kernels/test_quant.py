@@ -121,3 +121,16 @@ def test_hadamard_lowers_error_on_svd_like_outliers():
     rotated = apply_hadamard(x)
     rot_err = (apply_hadamard(dequantize_per_token(quantize_per_token(rotated, 3))) - x).pow(2).mean()
     assert rot_err < 0.5 * plain
+
+
+@pytest.mark.parametrize("row", [[0.0, 5e5, 1.0, 2.0], [-7e4, 0.0, 1.0, 2.0]])
+def test_float16_metadata_saturates_instead_of_overflowing(row):
+    """Latents beyond the float16 range clip (finite) rather than turning the whole token into NaN."""
+    x = torch.tensor([row])
+    q = quantize_per_token(x, 3)
+    assert torch.isfinite(q.scales).all() and torch.isfinite(q.zeros).all()
+    out = dequantize_per_token(q)
+    assert torch.isfinite(out).all()
+    assert (out - x).abs()[0, 2:].max() <= q.scales.float().max()  # small entries stay within a step
+    wide = quantize_per_token(x, 3, meta_dtype=torch.float32)  # float32 metadata keeps the bound
+    assert ((dequantize_per_token(wide) - x).abs() <= wide.scales / 2 + 1e-3).all()
