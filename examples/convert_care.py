@@ -14,7 +14,7 @@ from hf_accel.eval.memory import measure_cache_bytes_per_token
 model, tokenizer = load_model_and_tokenizer("smollm2-135m")
 # Calibrate on 32 x 64 tokens the model generates itself, keep half the K+V cache width (water-filled ranks).
 result = run_care_conversion(model, tokenizer, CareConversionConfig(kv_keep=0.5), num_samples=32, seq_len=64)
-save_care_model(result, tokenizer, "smollm2-135m-care-0.5", base_name="smollm2-135m", overwrite=True)
+save_care_model(result, tokenizer, "smollm2-135m-care-0.5", "smollm2-135m", overwrite=True)
 
 care = AutoModelForCausalLM.from_pretrained("smollm2-135m-care-0.5", trust_remote_code=True)
 probe = torch.arange(16)[None]

@@ -73,14 +73,15 @@ def _speculative_rows(model, tokenizer, drafter, max_new_tokens: int) -> list[di
 def _care_model(name: str, model, tokenizer, kv_keep: float):
     """The CARE conversion of `model`, converted once and cached beside the default model's checkpoint."""
     from .compress.care import CareConversionConfig, run_care_conversion, save_care_model
-    from .loading import hf_accel_home, load_model_and_tokenizer
+    from .loading import hf_accel_home, load_model_and_tokenizer, looks_like_local_path
 
     cached = hf_accel_home() / "models" / f"{Path(name).name}-care-kv{kv_keep:g}"
     if not (cached / "config.json").is_file():
         config = CareConversionConfig(kv_keep=kv_keep)
         # Calibrated on the model's own generated text (the CLI default), 32 windows of 64 tokens.
         result = run_care_conversion(model, tokenizer, config, None, True, num_samples=32, seq_len=64)
-        save_care_model(result, tokenizer, cached, base_name=name, overwrite=True)
+        base_model = None if looks_like_local_path(name) else name  # a local model's cache gets no model card
+        save_care_model(result, tokenizer, cached, base_model, overwrite=True)
     return load_model_and_tokenizer(str(cached), trust_remote_code=True)[0], cached
 
 

@@ -128,6 +128,20 @@ def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype=torch.floa
     return model.eval(), tokenizer
 
 
+def checkpoint_dtype(name_or_path) -> torch.dtype | None:
+    """The floating dtype a checkpoint's `config.json` declares, if any (a local directory, or a Hub id: the cached
+    or downloaded config). Models load in float32 for conversion and training; what they save goes back to this."""
+    from transformers import PretrainedConfig
+
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(str(name_or_path))
+    except (OSError, ValueError):
+        return None
+    name = raw.get("dtype") or raw.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL, trust_remote_code: bool = False):
     """The tokenizer of a model argument alone (the alias, a local directory, or a Hub id).
 

@@ -114,6 +114,7 @@ def sample_logits(model, seed: int = 0) -> torch.Tensor:
 
 RELOAD_SCRIPT = """
 import sys, torch
+sys.modules["hf_accel"] = None  # a saved checkpoint must load without hf_accel (installed or not)
 from transformers import AutoModelForCausalLM
 sys.path.insert(0, {tests_parent!r})
 from tests.tiny_checkpoints import sample_logits

@@ -17,6 +17,7 @@ comparable across layers (issue 3's probe: it loses to uniform ranks on SmolLM2)
 only normalises each matrix without knowing how much the loss cares about it. Measured in the README's CARE table.
 """
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,9 +71,10 @@ def model_family(model) -> str:
 
 
 def kv_weights(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer `(W_K, W_V)` in row-vector form `[D, g·d]` (`linear.weight.T`)."""
+    """Per layer `(W_K, W_V)` in row-vector form `[D, g·d]` (`linear.weight.T`), on the CPU, where the calibration
+    statistics and the factorization live (the model may be on a GPU)."""
     return [
-        (layer.self_attn.k_proj.weight.detach().T, layer.self_attn.v_proj.weight.detach().T)
+        (layer.self_attn.k_proj.weight.detach().T.cpu(), layer.self_attn.v_proj.weight.detach().T.cpu())
         for layer in model.model.layers
     ]
 
@@ -183,7 +185,8 @@ def _absorbed_o_proj(o_weight, o_bias, v_up, v_bias, num_heads, num_kv_heads, he
     Shapes: `o_weight [D, n_h·d]`, `v_up [g·d, r_V]`, `v_bias [g·d]` → weight `[D, n_h·r_V]`, bias `[D]`.
     """
     groups = num_heads // num_kv_heads
-    blocks, bias = [], (o_bias.clone() if o_bias is not None else torch.zeros(o_weight.shape[0], dtype=o_weight.dtype))
+    bias = o_bias.clone() if o_bias is not None else o_weight.new_zeros(o_weight.shape[0])
+    blocks = []
     for head in range(num_heads):
         kv = head // groups
         o_h = o_weight[:, head * head_dim : (head + 1) * head_dim]  # [D, d]
@@ -221,11 +224,11 @@ def build_care_model(model, factors, k_ranks, v_ranks, absorb_value: bool = Fals
         state[prefix + "v_down.weight"] = v_down.T
         if attn.k_proj.bias is not None:
             state[prefix + "k_up.bias"] = attn.k_proj.bias.detach()
-        v_bias = None if attn.v_proj.bias is None else attn.v_proj.bias.detach().double()
-        if absorb_value:
-            o_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.detach().double()
+        v_bias = None if attn.v_proj.bias is None else attn.v_proj.bias.detach().double().cpu()
+        if absorb_value:  # on the CPU, with the factors
+            o_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.detach().double().cpu()
             weight, bias = _absorbed_o_proj(
-                attn.o_proj.weight.detach().double(),
+                attn.o_proj.weight.detach().double().cpu(),
                 o_bias,
                 v_up.T,
                 v_bias,
@@ -381,6 +384,15 @@ def convert_care(
         ```
     """
     config_fields = set(CareConversionConfig.__dataclass_fields__)
+    calib_fields = set(inspect.signature(prepare_calibration).parameters) - {
+        "model",
+        "tokenizer",
+        "progress",
+        "with_output_grads",
+    }
+    unknown = sorted(set(kwargs) - config_fields - calib_fields)
+    if unknown:  # a typo must not be dropped silently (calibration arguments are unused when it is given)
+        raise TypeError(f"convert_care() got unexpected keyword argument(s): {', '.join(unknown)}")
     config = CareConversionConfig(
         kv_keep=kv_keep, method=method, **{k: v for k, v in kwargs.items() if k in config_fields}
     )
@@ -398,65 +410,58 @@ def kv_cache_bytes_per_token(model, dtype_bytes: int | None = None) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
 
 
-_CARD = """---
-library_name: transformers
-tags: [hf-accel, care, mla, kv-cache-compression]
-base_model: {base}
----
-
-# {name}: CARE latent-attention conversion of `{base}`
-
-Converted with `hf-accel convert care` ({method}, kv-keep {kv_keep}): every layer's `k_proj`/`v_proj` is factorized
-into a down-projection to a latent and an up-projection (covariance-weighted SVD, spec 000 Part A), and the KV cache
-stores only the latents: {values} numbers per token over all layers instead of {original}
-({fraction:.1%}). Keys are rebuilt from the latent and RoPE'd at attention time. Per-layer ranks are in
-`care_ranks.json` and `care_ranks.png`.
-
-This is a zero-shot conversion (no healing): quality is below the original.
-
-```python
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
-```
-
-Calibration: {calibration}.
-"""
+_PAPER = {"title": "CARE: Covariance-Aware and Rank-Enhanced Decomposition for Enabling Multi-Head Latent Attention"}
 
 
-def save_care_model(result: CareResult, tokenizer, out_dir, base_name: str = "", overwrite: bool = False) -> Path:
-    """Writes a converted model as a trust_remote_code checkpoint (atomically).
+def save_care_model(result: CareResult, tokenizer, out_dir, base_model: str | None, overwrite: bool = False) -> Path:
+    """Writes a converted model as a Hub-ready trust_remote_code checkpoint (atomically).
 
     The directory holds `model.safetensors`, `config.json` (with `auto_map`), `configuration_care.py` and
-    `modeling_care.py`, the tokenizer, `care_ranks.json`, `care_ranks.png` and a model-card stub `README.md`.
+    `modeling_care.py`, the tokenizer, `care_ranks.json`, `care_ranks.png` and a model card (`converted-model`).
 
     Args:
         result ([`CareResult`]): from [`run_care_conversion`].
         tokenizer: saved beside the model (skipped if `None`).
         out_dir (`str` or `os.PathLike`): the output directory; must not exist or be empty unless `overwrite`.
-        base_name (`str`, *optional*): the original model's name, for the card.
+        base_model (`str`): the original model's Hub id (or the `smollm2-135m` alias), named by the card; `None`
+            writes no card (a local cache of a model without a Hub id).
     """
+    from ..hub import save_artifact
+
     model, out = result.model, Path(out_dir)
     width = model.model.layers[0].self_attn.k_up.out_features
     summary = result.summary()
     with atomic_output_dir(out, overwrite) as tmp:
-        model.save_pretrained(tmp)
         copy_remote_code(tmp, ["configuration_care.py", "modeling_care.py"])
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        calibration = dict(result.calibration.meta, tokens=result.calibration.tokens) if result.calibration else None
-        write_json(tmp / "care_ranks.json", dict(summary, base_model=base_name, calibration=calibration))
+        calibration = None
+        if result.calibration is not None:  # its scalar descriptions (source, sizes), not cached matrices
+            meta = dict(result.calibration.meta, tokens=result.calibration.tokens)
+            calibration = {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, (str, int, float))}
+        write_json(tmp / "care_ranks.json", dict(summary, base_model=base_model, calibration=calibration))
         plot_ranks(tmp / "care_ranks.png", result.k_ranks, result.v_ranks, width, f"CARE ranks ({result.method})")
-        (tmp / "README.md").write_text(
-            _CARD.format(
-                name=out.name,
-                base=base_name or "unknown",
-                method=result.method,
-                kv_keep=result.kv_keep,
-                values=summary["cache_values_per_token"],
-                original=2 * width * len(result.k_ranks),
-                fraction=summary["achieved_kv_keep"],
-                calibration=calibration or "none (plain SVD)",
-            ),
-            encoding="utf-8",
+        settings = {"method": result.method, "kv_keep": result.kv_keep}
+        settings["kv_keep_achieved"] = round(summary["achieved_kv_keep"], 4)
+        settings["absorb_value"] = model.config.care_absorb_value
+        settings["calibration"] = ", ".join(f"{k} {v}" for k, v in (calibration or {"none": "(plain SVD)"}).items())
+        if base_model is None:
+            model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            return out
+        save_artifact(
+            tmp,
+            "converted-model",
+            base_model,
+            model_name=out.name,  # not the temporary directory's
+            model=model,
+            tokenizer=tokenizer,
+            description="CARE: every layer's `k_proj`/`v_proj` is factorized into a down-projection to a latent and "
+            "an up-projection (covariance-weighted SVD); the KV cache stores only the latents, and keys are rebuilt "
+            "and RoPE'd at attention time. A zero-shot conversion (no healing): quality is below the original.",
+            settings=settings,
+            kv_bytes_per_token=kv_cache_bytes_per_token(model, 2),
+            base_kv_bytes_per_token=2 * width * len(result.k_ranks) * 2,
+            ranks_plot=tmp / "care_ranks.png",
+            papers=[_PAPER],
         )
     return out

@@ -34,6 +34,7 @@ def _add_care(converters) -> None:
     care.add_argument("--alpha", type=float, default=0.05, help="covariance shrinkage weight α")
     care.add_argument("--absorb-value", action="store_true", help="fold the value up-projection into o_proj")
     care.add_argument("--seed", type=int, default=0)
+    care.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
     care.add_argument("--out", required=True, help="output directory (written atomically)")
     care.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     care.add_argument("--json", action="store_true", help="print one JSON summary object")
@@ -41,15 +42,21 @@ def _add_care(converters) -> None:
 
 
 def run_convert_care(args) -> int:
-    from ..loading import load_model_and_tokenizer
+    from ..loading import checkpoint_dtype, load_model_and_tokenizer, resolve_model
     from .calibration import check_calibration_source
     from .care import CareConversionConfig, run_care_conversion, save_care_model
-    from .export import check_output_dir
+    from .export import card_base_model, check_output_dir
 
     config = CareConversionConfig(
         kv_keep=args.kv_keep, method=args.method, alpha=args.alpha, absorb_value=args.absorb_value
     )  # validates before the (slow) model load
+    if args.calib_samples < 1 or args.calib_seq_len < 2:
+        raise ValueError(
+            f"--calib-samples must be ≥ 1 and --calib-seq-len ≥ 2 (a prediction needs two tokens), got "
+            f"{args.calib_samples} and {args.calib_seq_len}"
+        )
     check_calibration_source(args.calib)
+    base_model = card_base_model(args.base_model or args.model)
     check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)
     result = run_care_conversion(
@@ -62,7 +69,10 @@ def run_convert_care(args) -> int:
         seq_len=args.calib_seq_len,
         seed=args.seed,
     )
-    out = save_care_model(result, tokenizer, args.out, base_name=args.model, overwrite=args.overwrite)
+    dtype = checkpoint_dtype(resolve_model(args.model))  # converted in float32, saved like the original
+    if dtype is not None and dtype != result.model.dtype:
+        result.model = result.model.to(dtype)
+    out = save_care_model(result, tokenizer, args.out, base_model, overwrite=args.overwrite)
     summary = dict(result.summary(), model=args.model, out=str(out))
     if args.json:
         print(json.dumps(summary))

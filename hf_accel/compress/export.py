@@ -15,12 +15,27 @@ from pathlib import Path
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
+def card_base_model(name: str) -> str:
+    """The Hub id a converted checkpoint's model card names as its base model (`--base-model`, else `--model`)."""
+    from ..hub import hub_base_model
+
+    try:
+        return hub_base_model(name)
+    except ValueError:
+        raise ValueError(
+            f"the model card needs the Hub id of the original model, not {name!r}; pass --base-model ORG/NAME"
+        ) from None
+
+
 def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
     """The resolved output directory, or `ValueError` if it is a file, or a non-empty directory without `overwrite`
     (the converters call it before loading the model, so that a bad `--out` fails in a second)."""
     out = Path(out_dir).expanduser().resolve()
-    if out.exists() and not out.is_dir():
+    existing = next(p for p in (out, *out.parents) if p.exists())  # `out`, or the directory it would be made in
+    if existing == out and not out.is_dir():
         raise ValueError(f"--out {out} is an existing file, not a directory")
+    if not existing.is_dir():
+        raise ValueError(f"--out {out} cannot be created: {existing} is an existing file")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
     return out

@@ -26,7 +26,7 @@ from .calibration import (
     load_calibration_ids,
     tokenize_calibration_text,
 )
-from .export import atomic_output_dir, check_output_dir
+from .export import atomic_output_dir, card_base_model, check_output_dir
 from .factorize import factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
 from .ranks import water_fill
@@ -370,7 +370,7 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
         state[prefix + "k_down.weight"] = torch.cat(list(k_down), dim=1).T  # [n_g·r_k, in]
         state[prefix + "v_down.weight"] = torch.cat(list(v_down), dim=1).T  # [n_g·r_v, in]
         state[prefix + "k_up"] = k_up
-        o_weight = state[prefix + "o_proj.weight"].double()
+        o_weight = state[prefix + "o_proj.weight"].double().cpu()
         state[prefix + "o_proj.weight"] = fold_values_into_o_proj(
             o_weight, v_up, config.num_attention_heads, config.num_key_value_heads, head_dim
         )
@@ -481,7 +481,7 @@ def convert_palu(
         attn = layer.self_attn
         common = {"num_key_value_heads": n_kv, "head_dim": head_dim, "group_size": group_size}
         common.update(scales=all_scales[idx], alpha=conversion.alpha, lam_frac=conversion.lam_frac)
-        weights = (attn.k_proj.weight.detach().T, attn.v_proj.weight.detach().T)
+        weights = (attn.k_proj.weight.detach().T.cpu(), attn.v_proj.weight.detach().T.cpu())  # with the statistics
         full.append(tuple(factorize_groups(w, **common) for w in weights))
         if kfac:
             grads = (calibration.k_grad_moments[idx], calibration.v_grad_moments[idx])
@@ -506,15 +506,20 @@ def convert_palu(
         "fisher_scores": scores,
         "calibration_tokens": calibration.tokens,
         "cache_bytes_per_token": expected_cache_bytes_per_token(palu.config),
-        # the full-precision window: a fixed cost per sequence, its most recent tokens' latents in the model's dtype
-        "window_bytes_per_sequence": conversion.residual_length
-        * num_groups
-        * (sum(k_ranks) + sum(v_ranks))
-        * palu.dtype.itemsize,
+        "window_bytes_per_sequence": window_bytes_per_sequence(palu),
         "base_cache_bytes_per_token": total_width * 2,  # float16 keys and values
         "timings": timings,
     }
     return palu, info
+
+
+def window_bytes_per_sequence(palu_model) -> int:
+    """The full-precision window's bytes: a fixed cost per sequence, the latents of its `palu_residual_length` most
+    recent tokens in the model's dtype (the cache's bytes per token leave it out)."""
+    cfg = palu_model.config
+    groups = cfg.num_key_value_heads // cfg.palu_group_size
+    latents = groups * (sum(cfg.palu_k_ranks) + sum(cfg.palu_v_ranks))
+    return cfg.palu_residual_length * latents * palu_model.dtype.itemsize
 
 
 def _layer_scales(calibration, alpha: float, lam_frac: float) -> list:
@@ -688,20 +693,9 @@ def add_palu_parser(convert_commands) -> None:
     parser.set_defaults(func=_run_convert_palu)
 
 
-def _card_base_model(name: str) -> str:
-    from ..hub import hub_base_model
-
-    try:
-        return hub_base_model(name)
-    except ValueError:
-        raise ValueError(
-            f"the model card needs the Hub id of the original model, not {name!r}; pass --base-model ORG/NAME"
-        )
-
-
 def _run_convert_palu(args) -> int:
     from ..cli import print_json
-    from ..loading import load_model_and_tokenizer
+    from ..loading import checkpoint_dtype, load_model_and_tokenizer, resolve_model
 
     # Validate everything cheap before loading the model
     conversion = PaluConversionConfig(
@@ -717,7 +711,7 @@ def _run_convert_palu(args) -> int:
         rank_multiple=args.rank_multiple,
     )
     check_calibration_source(args.calib)
-    base_model = _card_base_model(args.base_model or args.model)
+    base_model = card_base_model(args.base_model or args.model)
     out = check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)
     group_size = check_palu_model(model, conversion)  # before the (slow) calibration
@@ -742,6 +736,10 @@ def _run_convert_palu(args) -> int:
         quant_group_size=args.quant_group_size,
         residual_length=args.residual_length,
     )
+    dtype = checkpoint_dtype(resolve_model(args.model))  # converted in float32, saved like the original
+    if dtype is not None and dtype != palu.dtype:
+        palu = palu.to(dtype)
+        info["window_bytes_per_sequence"] = window_bytes_per_sequence(palu)
     save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
     summary = {
         "model": args.model,

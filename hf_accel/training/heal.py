@@ -27,6 +27,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..hub import copy_remote_code
+from ..loading import checkpoint_dtype
 from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
 from .losses import compute_healing_loss
 from .monitor import PerplexityCallback, TimeBudgetCallback, plot_perplexity_curve, read_history
@@ -302,27 +303,13 @@ def save_healed_model(model, tokenizer, output_dir: str | Path, source: str | Pa
     if isinstance(model, PeftModel):
         model = model.merge_and_unload()
     _check_finite(model)
-    dtype = _checkpoint_dtype(source) if source is not None else None
+    dtype = checkpoint_dtype(source) if source is not None else None
     if dtype is not None and dtype != model.dtype:
         model = model.to(dtype)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     copy_remote_code(model, output_dir, source)
     return model
-
-
-def _checkpoint_dtype(name_or_path) -> torch.dtype | None:
-    """The floating dtype a checkpoint's `config.json` declares, if any (a local directory, or a Hub id: the cached
-    or downloaded config)."""
-    from transformers import PretrainedConfig
-
-    try:
-        raw, _ = PretrainedConfig.get_config_dict(str(name_or_path))
-    except (OSError, ValueError):
-        return None
-    name = raw.get("dtype") or raw.get("torch_dtype")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def _load_models(args: HealingArguments):

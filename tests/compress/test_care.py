@@ -61,7 +61,7 @@ def test_failed_save_leaves_no_output(tmp_path, monkeypatch):
 
     monkeypatch.setattr(care, "plot_ranks", boom)
     with pytest.raises(RuntimeError, match="disk full"):
-        save_care_model(result, None, tmp_path / "out")
+        save_care_model(result, None, tmp_path / "out", "org/tiny")
     assert os.listdir(tmp_path) == []  # neither the output nor a temporary directory is left
 
 
@@ -70,8 +70,8 @@ def test_existing_output_needs_overwrite(tmp_path):
     (tmp_path / "out" / "keep.txt").write_text("x")
     result = run_care_conversion(make_tiny("llama"), None, CareConversionConfig(method="svd"), None, False)
     with pytest.raises(ValueError, match="--overwrite"):
-        save_care_model(result, None, tmp_path / "out")
-    save_care_model(result, None, tmp_path / "out", overwrite=True)
+        save_care_model(result, None, tmp_path / "out", "org/tiny")
+    save_care_model(result, None, tmp_path / "out", "org/tiny", overwrite=True)
     assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
 
 
@@ -120,6 +120,8 @@ def test_convert_care_cli(tmp_path, tiny_dir_with_tokenizer, calib, capsys):
         "16",
         "--out",
         str(out),
+        "--base-model",
+        "org/tiny",
         "--json",
     ]
     assert main(argv) == 0
@@ -154,3 +156,69 @@ def test_default_model_full_rank_and_cache_bytes(default_model):
     original_bytes = measured_cache_bytes_per_token(model, model.config.vocab_size)
     assert original_bytes == 2 * 30 * 3 * 64 * 4
     assert measured_cache_bytes_per_token(half, model.config.vocab_size) == original_bytes / 2
+
+
+def test_convert_care_cli_saves_the_source_dtype_and_a_hub_card(tmp_path, capsys):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel.cli import main
+    from tests.tiny_checkpoints import write_tiny_llama
+
+    source = write_tiny_llama(tmp_path / "fp32")
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).is_file():
+            (tmp_path / "bf16" / name).write_bytes((source / name).read_bytes())
+    out = tmp_path / "care"
+    argv = ["convert", "care", "--model", str(tmp_path / "bf16"), "--kv-keep", "0.5", "--method", "svd"]
+    assert main(argv + ["--out", str(out), "--base-model", "org/tiny", "--json"]) == 0
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    card = (out / "README.md").read_text()
+    assert "base_model: org/tiny" in card and "`kv_keep_achieved`" in card and "care_ranks.png" in card
+
+
+def test_convert_care_cli_refuses_bad_input_before_loading(tmp_path, capsys, monkeypatch):
+    import hf_accel.loading
+    from hf_accel.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded the model before checking the arguments")
+
+    monkeypatch.setattr(hf_accel.loading, "load_model_and_tokenizer", no_load)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    base = ["convert", "care", "--kv-keep", "0.5"]
+    cases = [
+        (["--calib-samples", "0", "--out", str(tmp_path / "o")], "--calib-samples must be ≥ 1"),
+        (["--calib-seq-len", "1", "--out", str(tmp_path / "o")], "--calib-seq-len ≥ 2"),
+        (["--out", str(a_file / "sub")], "cannot be created"),
+        (["--model", str(tmp_path), "--out", str(tmp_path / "o")], "pass --base-model ORG/NAME"),
+    ]
+    for extra, message in cases:
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_convert_care_refuses_unknown_keyword_arguments():
+    model = make_tiny("llama")
+    with pytest.raises(TypeError, match="absorb_vaule"):
+        convert_care(model, kv_keep=0.5, method="svd", absorb_vaule=True)
+    with pytest.raises(TypeError, match="alhpa"):
+        convert_care(model, kv_keep=0.5, calibration=tiny_calibration(model), alhpa=0.5, progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("method", ["care", "asvd"])
+def test_conversion_of_a_model_on_a_gpu_matches_the_cpu_one(method):
+    # the statistics live on the CPU: the factorization must not mix them with GPU weights
+    model = make_tiny("qwen2")  # k/v biases; absorb_value adds the value bias to a bias-free o_proj
+    calibration = tiny_calibration(model)
+    config = CareConversionConfig(kv_keep=0.5, method=method, absorb_value=True)
+    cpu = run_care_conversion(model, None, config, calibration, False).model
+    gpu = run_care_conversion(model.cuda(), None, config, calibration, False).model
+    ids = torch.randint(3, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(gpu(ids.cuda()).logits.cpu(), cpu(ids).logits, atol=1e-4, rtol=1e-4)

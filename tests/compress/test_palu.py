@@ -1,5 +1,6 @@
 """Palu conversion (spec 002, issue 4): G-LRD layout, full-rank equivalence, Hadamard folding, ranks, CLI errors."""
 
+import copy
 import json
 
 import pytest
@@ -333,3 +334,25 @@ def test_kfac_conversion_meets_budget_and_needs_gradient_moments(model, tokenize
     no_grads = collect_kv_calibration(model, _ids(4, 32), progress=False)
     with pytest.raises(ValueError, match="output-gradient moments"):
         convert_palu(model, tokenizer, calibration=no_grads, **common)
+
+
+def test_cli_saves_the_source_dtype(tmp_path, model, tokenizer, capsys):
+    from safetensors.torch import load_file
+
+    from hf_accel.cli import main
+
+    src = tmp_path / "bf16"
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(src)  # the module's fixture stays float32
+    tokenizer.save_pretrained(src)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB_TEXT)
+    out = tmp_path / "palu"
+    argv = ["convert", "palu", "--model", str(src), "--calib", str(calib), "--out", str(out), "--base-model", "o/t"]
+    argv += ["--kv-keep", "0.5", "--ranks", "uniform", "--quant-bits", "3", "--residual-length", "4", "--json"]
+    argv += ["--calib-samples", "4", "--calib-seq-len", "32", "--rank-multiple", "2"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    floats = {t.dtype for t in load_file(out / "model.safetensors").values() if t.is_floating_point()}
+    assert floats == {torch.bfloat16}
+    rank_sum = sum(summary["k_ranks"]) + sum(summary["v_ranks"])  # one group of 4 KV heads
+    assert summary["window_bytes_per_sequence"] == 4 * rank_sum * 2  # bfloat16 latents

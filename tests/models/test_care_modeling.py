@@ -120,11 +120,12 @@ def test_saved_checkpoint_loads_in_fresh_process(tmp_path):
     for family in FAMILIES:
         model = make_tiny(family)
         result = run_care_conversion(model, None, CareConversionConfig(kv_keep=0.5), tiny_calibration(model), False)
-        save_care_model(result, None, tmp_path / family, base_name=f"tiny-{family}")
+        save_care_model(result, None, tmp_path / family, f"org/tiny-{family}")
         with torch.no_grad():
             torch.save(result.model(ids).logits, tmp_path / f"{family}.pt")
     code = (
         "import sys, torch\n"
+        "sys.modules['hf_accel'] = None  # the checkpoint must load without hf_accel (installed or not)\n"
         "from transformers import AutoModelForCausalLM\n"
         f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
         f"for family in {list(FAMILIES)!r}:\n"
@@ -135,7 +136,7 @@ def test_saved_checkpoint_loads_in_fresh_process(tmp_path):
         "        torch.testing.assert_close(m(ids).logits, ref, atol=1e-6, rtol=0)\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")  # hf_accel must not be needed to load
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path, check=False
     )

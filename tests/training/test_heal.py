@@ -316,7 +316,7 @@ def test_lora_healing_of_a_care_model_keeps_latent_caching(checkpoints, tmp_path
     teacher = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"]).eval()
     config = CareConversionConfig(kv_keep=0.5)
     result = run_care_conversion(teacher, config=config, calibration=tiny_calibration(teacher), progress=False)
-    care_dir = save_care_model(result, make_char_tokenizer(), tmp_path / "care")
+    care_dir = save_care_model(result, make_char_tokenizer(), tmp_path / "care", "org/tiny")
     healed = run_healing(_args(checkpoints, tmp_path / "healed", model_name_or_path=str(care_dir), max_steps=2)).model
 
     ids = torch.randint(4, 100, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -444,7 +444,7 @@ def test_checkpoint_dtype_reads_a_hub_id_from_the_cache(tmp_path, monkeypatch):
     """A student given as a Hub id keeps its declared dtype too: the config comes from the Hub cache (offline)."""
     from huggingface_hub import constants
 
-    from hf_accel.training.heal import _checkpoint_dtype
+    from hf_accel.loading import checkpoint_dtype
 
     snapshot = tmp_path / "models--org--student" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
@@ -453,5 +453,5 @@ def test_checkpoint_dtype_reads_a_hub_id_from_the_cache(tmp_path, monkeypatch):
     (tmp_path / "models--org--student" / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    assert _checkpoint_dtype("org/student") == torch.bfloat16
-    assert _checkpoint_dtype("org/absent") is None
+    assert checkpoint_dtype("org/student") == torch.bfloat16
+    assert checkpoint_dtype("org/absent") is None
