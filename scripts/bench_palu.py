@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-hadamard-bits", type=int, nargs="*", default=list(d.no_hadamard_bits))
     parser.add_argument(
         "--residual-lengths", type=int, nargs="*", default=list(d.residual_lengths),
-        help="full-precision windows of recent tokens: extra quantized rows, scored by decoding",
+        help="full-precision windows of recent tokens: extra quantized rows, scored past the window",
     )  # fmt: skip
     parser.add_argument(
         "--care-methods", nargs="*", default=list(d.care_methods), help="CARE rows at the same budgets (e.g. care)"

@@ -17,11 +17,6 @@ def add_cli(commands) -> None:
     ppl.add_argument("--seq-len", type=int, default=512)
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
     ppl.add_argument("--batch-size", type=int, default=4)
-    ppl.add_argument(
-        "--decode", action="store_true",
-        help="score by teacher-forced decoding through the cache, one pass per token (a Palu cache with a "
-        "full-precision window is only read this way); slow",
-    )  # fmt: skip
     ppl.add_argument("--trust-remote-code", action="store_true", help="needed for converted checkpoints")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     ppl.set_defaults(func=_run_ppl)
@@ -57,10 +52,7 @@ def _run_ppl(args: argparse.Namespace) -> int:
     text = read_eval_text(args.text, args.dataset, args.split, args.text_column)
     model, tokenizer = load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     result = {"model": args.model, "text": args.text or args.dataset}
-    result.update(
-        compute_perplexity(model, tokenizer, text, args.seq_len, args.max_tokens, args.batch_size, decode=args.decode)
-    )
-    result["decode"] = args.decode
+    result.update(compute_perplexity(model, tokenizer, text, args.seq_len, args.max_tokens, args.batch_size))
     if args.json:
         print_json(result)
     else:

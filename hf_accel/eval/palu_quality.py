@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .memory import measure_cache_bytes_per_token
-from .perplexity import compute_perplexity, decoding_perplexity, perplexity_on_ids, split_windows
+from .perplexity import compute_perplexity, perplexity_on_ids, split_windows
 
 
 @dataclass
@@ -47,9 +47,9 @@ class PaluBenchConfig:
     eval_seq_len: int = 256
     generated_samples: int = 0  # held-out model-generated sequences (0: skip)
     generated_seq_len: int = 256
-    # Full-precision windows of recent tokens: each adds a row per quantized bit width, scored by decoding (token by
-    # token through the cache, which is how a window is read) on the positions past the window; bytes per token are
-    # measured after a prefill of `window_bytes_context` tokens, since the window is a fixed cost per sequence.
+    # Full-precision windows of recent tokens: each adds a row per quantized bit width, scored on the positions past
+    # the window (the first ones have their whole context in full precision); bytes per token are measured after a
+    # prefill of `window_bytes_context` tokens, since the window is a fixed cost per sequence.
     residual_lengths: tuple = ()
     window_bytes_context: int = 2048
     seed: int = 3
@@ -92,7 +92,7 @@ def _check_residual_lengths(config: PaluBenchConfig) -> None:
 
 
 def _full_windows(tokenizer, text: str, config: PaluBenchConfig) -> torch.Tensor:
-    """`[N, eval_seq_len]` token windows of the held-out text (full windows only: they are decoded as a batch)."""
+    """`[N, eval_seq_len]` token windows of the held-out text (full windows only: they are scored as a batch)."""
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])[: config.eval_tokens]
     windows = [w for w in split_windows(ids, config.eval_seq_len) if len(w) == config.eval_seq_len]
     if not windows:
@@ -101,12 +101,13 @@ def _full_windows(tokenizer, text: str, config: PaluBenchConfig) -> torch.Tensor
 
 
 def _evaluate_windowed(model, text_rows, generated, residual: int, long_probe, reference: dict) -> dict:
-    """A quantized row with a full-precision window: decoding perplexity past the window, next to the unquantized
-    model's on the same positions (`reference`), and bytes per token at `long_probe`'s length."""
+    """A quantized row with a full-precision window: perplexity past the window (a prefill reads each position as
+    decoding does, see `kernels/cache.py`), next to the unquantized model's on the same positions (`reference`), and
+    bytes per token at `long_probe`'s length."""
     start = time.perf_counter()
-    row = {"residual_length": residual, "ppl_text": decoding_perplexity(model, text_rows, skip=residual)}
+    row = {"residual_length": residual, "ppl_text": perplexity_on_ids(model, text_rows, skip=residual)}
     if generated is not None:
-        row["ppl_generated"] = decoding_perplexity(model, generated, skip=residual)
+        row["ppl_generated"] = perplexity_on_ids(model, generated, skip=residual)
     row.update({f"float_{k}": v for k, v in reference.items()})
     row["cache_bytes_per_token"] = measure_palu_cache_bytes_per_token(model, long_probe)
     row["bytes_context"] = long_probe.shape[1]

@@ -44,7 +44,6 @@ def compute_perplexity(
     max_tokens: int | None = None,
     batch_size: int = 4,
     progress: bool = True,
-    decode: bool = False,
 ) -> dict:
     """Perplexity of `model` on `text` over non-overlapping windows (see the module docstring).
 
@@ -56,9 +55,6 @@ def compute_perplexity(
         max_tokens (`int`, *optional*): use only the first `max_tokens` tokens of the text.
         batch_size (`int`, *optional*, defaults to 4): windows per forward pass (full windows only).
         progress (`bool`, *optional*, defaults to `True`): show a progress bar.
-        decode (`bool`, *optional*, defaults to `False`): score each window by teacher-forced decoding through the
-            model's cache (see [`decoding_perplexity`]) instead of one prefill: what a cache with a full-precision
-            window of recent tokens (Palu's `--residual-length`) gives in `generate`. One pass per token: slow.
 
     Returns:
         `dict` with `ppl`, `nll` (mean, nats), `tokens` (predictions scored) and `seq_len`.
@@ -84,10 +80,6 @@ def compute_perplexity(
     groups += [[w] for w in windows if w.numel() != seq_len]
     for group in tqdm(groups, desc="perplexity", unit="batch", disable=not progress):
         batch = torch.stack(group).to(device)  # [b, S]
-        if decode:
-            nll, count = _decoding_nll(model, batch)
-            total_nll, total_tokens = total_nll + nll, total_tokens + count
-            continue
         logits = model(input_ids=batch, use_cache=False).logits.float()  # [b, S, V]
         for row_logits, row_ids in zip(logits, batch):
             nll, count = window_nll(row_logits, row_ids)

@@ -5,16 +5,17 @@ cache `[batch, heads, seq_len, head_dim]` works the same way). Every token is qu
 appended (per token and channel group, [`quantize_per_token`]); history is never re-quantized. This differs from
 transformers' `QuantizedLayer` (KIVI), which re-quantizes the whole history at every flush of its residual buffer.
 
-With `residual_length = R > 0` the layer also keeps a full-precision copy of the most recent tokens, at most `R`
-(the latency cache of the Palu code keeps such a buffer). Those tokens are served in full precision and fall back
-to their (already computed) codes when they leave the window. Their codes are stored from the start, so the window
-costs `R` extra full-precision vectors, which `get_cache_bytes` counts.
+With `residual_length = R > 0` the layer also keeps a full-precision copy of recent tokens (the latency cache of
+the Palu code keeps such a buffer); their codes are stored from the start, and `get_cache_bytes` counts the copies.
+**A query at position `p` reads a key in full precision iff the key's position is `> p − R`** (itself and its
+`R − 1` predecessors), from codes otherwise: what one-token-at-a-time decoding with an `R`-token window reads. The
+rule is per query, by position, so a prefill scores every position as decoding would, and a speculative
+verification pass (many queries, a tree, a batch with masked holes) reads exactly what plain decoding reads: greedy
+output is unchanged. The Palu attention ([`key_scores`], [`attend_values`] with positions) applies it; the layer
+keeps the copies some later query may still need ([`release_window`]: about `R − 1` between decoding steps) and
+the positions of those tokens. The generic `update` (any model) serves the last `R` slots instead.
 
-Rollback operations (`crop`, `select_positions`) never bring a token back into the window: a position keeps its
-full-precision copy only if it had one and is still among the trailing positions of every row. Because a token's
-codes do not depend on the other tokens, a cache with `residual_length=0` returns the same values whatever the order
-and grouping of appends, so speculative verification sees exactly what plain decoding sees. With a window, the
-values depend on when tokens left it, as for any residual-window cache.
+Rollback operations (`crop`, `select_positions`) keep the full-precision copies of the kept tokens that had one.
 """
 
 import functools
@@ -68,17 +69,23 @@ class PaluQuantizedLayer(DynamicLayer):
         # Empty window [B, G, 0, r]: new tensors, not views (a view would keep the whole prefill's latents alive)
         self.keys = key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1]))
         self.values = value_states.new_empty((*value_states.shape[:-2], 0, value_states.shape[-1]))
+        self.window_positions = torch.zeros((key_states.shape[0], 0), dtype=torch.long, device=key_states.device)
         self.quantized_keys = self._quantize(self.keys)
         self.quantized_values = self._quantize(self.values)
         self.is_initialized = True
 
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def append(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.LongTensor | None = None
+    ) -> None:
         """
-        Quantize the new tokens once and store them, without reading the cache back.
+        Quantize the new tokens once and store them, without reading the cache back. With a window, their
+        full-precision copies are kept too, until [`release_window`] (or `update`'s sliding) drops them.
 
         Args:
             key_states (`torch.Tensor` of shape `[batch, groups, new_tokens, r_k]`): new key latents.
             value_states (`torch.Tensor` of shape `[batch, groups, new_tokens, r_v]`): new value latents.
+            positions (`torch.LongTensor` of shape `[batch, new_tokens]`, *optional*): their positions, which decide
+                which queries read them in full precision (unknown: `-1`, never).
         """
         if not self.is_initialized or self.get_seq_length() == 0:
             # (re)initialize from the real shapes: `Cache.early_initialization` may have used placeholder ones
@@ -86,16 +93,42 @@ class PaluQuantizedLayer(DynamicLayer):
         self.quantized_keys = cat_quantized([self.quantized_keys, self._quantize(key_states)], dim=-2)
         self.quantized_values = cat_quantized([self.quantized_values, self._quantize(value_states)], dim=-2)
         if self.residual_length > 0:
-            self.keys = self._slide_window(self.keys, key_states)
-            self.values = self._slide_window(self.values, value_states)
+            if positions is None:
+                positions = torch.full(key_states.shape[:1] + key_states.shape[2:3], -1, dtype=torch.long)
+            self.keys = torch.cat([self.keys, key_states.to(self.dtype)], dim=-2)
+            self.values = torch.cat([self.values, value_states.to(self.dtype)], dim=-2)
+            self.window_positions = torch.cat([self.window_positions, positions.to(self.window_positions)], dim=-1)
 
-    def _slide_window(self, window: torch.Tensor, new_states: torch.Tensor) -> torch.Tensor:
-        # [B, G, W, r] + [B, G, T, r] → the last `residual_length` tokens, in storage of their own (a view of the
-        # concatenation would keep a whole prefill alive, and `get_cache_bytes` would under-count it)
-        merged = torch.cat([window, new_states.to(self.dtype)], dim=-2)
-        if merged.shape[-2] <= self.residual_length:
-            return merged
-        return merged[..., -self.residual_length :, :].clone()
+    def _keep_window(self, length: int) -> None:
+        # Keep the last `length` full-precision copies, in storage of their own (a view would keep the dropped ones
+        # alive, and `get_cache_bytes` would under-count them)
+        if self.keys.shape[-2] > length:
+            self.keys, self.values = (t[..., t.shape[-2] - length :, :].clone() for t in (self.keys, self.values))
+            self.window_positions = self.window_positions[:, self.window_positions.shape[1] - length :].clone()
+
+    def _float_mask(self, query_positions: torch.LongTensor) -> torch.Tensor:
+        # [B, q, W]: query i reads window token j in full precision iff position_j > position_i − R
+        return self.window_positions[:, None, :] > query_positions[:, :, None] - self.residual_length
+
+    def release_window(self, key_positions: torch.LongTensor, num_queries: int, committed: bool) -> None:
+        """
+        Drop the full-precision copies that no later query can read.
+
+        A later query has a position above the latest query of this pass if the pass is `committed` (a prefill:
+        every token stays), else above its earliest (a verification pass may keep only its root).
+
+        Args:
+            key_positions (`torch.LongTensor` of shape `[batch, seq_len]`): the pass's positions of every slot; the
+                last `num_queries` are its queries.
+            num_queries (`int`): tokens of the pass.
+            committed (`bool`): whether all of them stay in the cache.
+        """
+        if self.window_length == 0:
+            return
+        queries = key_positions[:, key_positions.shape[1] - num_queries :]
+        next_query = (queries.amax(-1) if committed else queries.amin(-1)) + 1
+        readable = self.window_positions > (next_query - self.residual_length)[:, None]
+        self._keep_window(int(readable.sum(-1).max()))  # positions never decrease along slots: a suffix per row
 
     def _read(self, quantized: QuantizedLatents, window: torch.Tensor) -> torch.Tensor:
         dequantized = quantized.dequantize(self.dtype)  # [B, G, S, r]
@@ -123,6 +156,7 @@ class PaluQuantizedLayer(DynamicLayer):
             for the full-precision window, in the dtype of the first states appended.
         """
         self.append(key_states, value_states)
+        self._keep_window(self.residual_length)  # any model: the last R slots are served in full precision
         return self.get_states()
 
     def key_scores(
@@ -138,9 +172,10 @@ class PaluQuantizedLayer(DynamicLayer):
         """
         Scores of RoPE'd queries against the cached key latents, without materialising the keys (spec 002 §3.1).
 
-        Tokens in codes go through the `rope_key_scores` kernel on packed latents; window tokens use their
-        full-precision copy. Arguments are those of [`~hf_accel.kernels.reference.rope_key_scores`] (`key_positions`
-        covers every cached token), plus the kernel `backend`.
+        Every token goes through the `rope_key_scores` kernel on packed latents; where the window rule of this
+        module's docstring says so, a window token's full-precision copy scores instead. Arguments are those of
+        [`~hf_accel.kernels.reference.rope_key_scores`] (`key_positions` covers every cached token, the last
+        `q_len` being the queries'), plus the kernel `backend`.
 
         Returns:
             `torch.Tensor` of shape `[batch, num_heads, q_len, seq_len]`, float32.
@@ -148,26 +183,28 @@ class PaluQuantizedLayer(DynamicLayer):
         from .registry import get_kernel
 
         kernel = get_kernel("rope_key_scores", backend)
-        num_coded = self.get_seq_length() - self.window_length
-        coded = self.quantized_keys
-        if self.window_length:  # a slice of the codes: the kernel makes it contiguous (one copy of the bytes)
-            coded = coded.apply(lambda t: t[..., :num_coded, :])
         rope = {"attention_scaling": attention_scaling, "scaling": scaling}
-        if self.window_length == 0:
-            return kernel(query_states, coded, up_proj, key_positions, inv_freq, **rope)
-        window = kernel(query_states, self.keys, up_proj, key_positions[:, num_coded:], inv_freq, **rope)
-        if num_coded == 0:  # every token is still in the window (a prompt shorter than it)
-            return window
-        scores = kernel(query_states, coded, up_proj, key_positions[:, :num_coded], inv_freq, **rope)
-        return torch.cat([scores, window], dim=-1)
+        scores = kernel(query_states, self.quantized_keys, up_proj, key_positions, inv_freq, **rope)
+        width = self.window_length
+        if width == 0:
+            return scores
+        total = scores.shape[-1]
+        window = kernel(query_states, self.keys, up_proj, key_positions[:, total - width :], inv_freq, **rope)
+        use_float = self._float_mask(key_positions[:, total - query_states.shape[-2] :])[:, None]  # [B, 1, q, W]
+        tail = torch.where(use_float, window, scores[..., total - width :])
+        return torch.cat([scores[..., : total - width], tail], dim=-1)
 
-    def attend_values(self, probs: torch.Tensor, backend: str = "eager") -> torch.Tensor:
+    def attend_values(
+        self, probs: torch.Tensor, key_positions: torch.LongTensor, backend: str = "eager"
+    ) -> torch.Tensor:
         """
         `probs · V̂` against the cached value latents, without dequantizing them to memory (spec 002 §3.2).
 
         Args:
             probs (`torch.Tensor` of shape `[batch, num_heads, q_len, seq_len]`): attention probabilities; query head
                 `h` reads latent group `h // (num_heads / groups)`.
+            key_positions (`torch.LongTensor` of shape `[batch, seq_len]`): positions of every cached token (the last
+                `q_len` are the queries'), for the window rule, as in [`key_scores`].
             backend (`str`, *optional*, defaults to `"eager"`): kernel backend, see [`get_kernel`].
 
         Returns:
@@ -175,15 +212,18 @@ class PaluQuantizedLayer(DynamicLayer):
         """
         from .registry import get_kernel
 
-        num_coded = self.get_seq_length() - self.window_length
-        if self.window_length == 0:
-            return get_kernel("dequantize_attend", backend)(probs, self.quantized_values)
-        batch, num_heads, q_len, _ = probs.shape
-        grouped = probs[..., num_coded:].float().reshape(batch, self.values.shape[1], -1, self.window_length)
+        attend = get_kernel("dequantize_attend", backend)
+        width = self.window_length
+        if width == 0:
+            return attend(probs, self.quantized_values)
+        batch, num_heads, q_len, total = probs.shape
+        use_float = self._float_mask(key_positions[:, total - q_len :])[:, None]  # [B, 1, q, W]
+        tail = probs[..., total - width :]
+        float_probs = torch.where(use_float, tail, 0.0).float()
+        coded_probs = torch.cat([probs[..., : total - width], torch.where(use_float, 0.0, tail)], dim=-1)
+        grouped = float_probs.reshape(batch, self.values.shape[1], -1, width)
         window = (grouped @ self.values.float()).view(batch, num_heads, q_len, -1)
-        if num_coded == 0:  # every token is still in the window
-            return window
-        return get_kernel("dequantize_attend", backend)(probs[..., :num_coded], self.quantized_values) + window
+        return attend(coded_probs, self.quantized_values) + window
 
     def get_seq_length(self) -> int:
         """Number of cached tokens."""
@@ -209,14 +249,14 @@ class PaluQuantizedLayer(DynamicLayer):
     def _apply(self, fn) -> None:
         # `fn` acts on leading dimensions only, so it applies to codes, scales, zeros and the window alike
         self.quantized_keys, self.quantized_values = self.quantized_keys.apply(fn), self.quantized_values.apply(fn)
-        self.keys, self.values = fn(self.keys), fn(self.values)
+        self.keys, self.values, self.window_positions = fn(self.keys), fn(self.values), fn(self.window_positions)
 
     def crop(self, max_length: int) -> None:
         """
         Keep the first `max_length` tokens, or remove `-max_length` tokens when it is negative.
 
         `crop(0)` is a no-op, as transformers 5 calls it to mean "nothing to remove"; use `reset()` to empty the layer.
-        Window tokens that are cropped away are not replaced by older ones (their full-precision copy is gone).
+        The kept tokens keep their full-precision copies.
         """
         length = self.get_seq_length()
         if max_length == 0 or length == 0:
@@ -226,6 +266,7 @@ class PaluQuantizedLayer(DynamicLayer):
         self.quantized_keys = self.quantized_keys.apply(lambda t: t[..., :keep, :])
         self.quantized_values = self.quantized_values.apply(lambda t: t[..., :keep, :])
         self.keys, self.values = self.keys[..., :window_keep, :], self.values[..., :window_keep, :]
+        self.window_positions = self.window_positions[:, :window_keep]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the batch rows `indices`."""
@@ -270,6 +311,7 @@ class PaluQuantizedLayer(DynamicLayer):
         self.quantized_values = self.quantized_values.apply(functools.partial(_gather_positions, index=index))
         self.keys = _gather_positions(self.keys, window_index)
         self.values = _gather_positions(self.values, window_index)
+        self.window_positions = self.window_positions.gather(1, window_index.to(self.window_positions.device))
 
     def offload(self):
         """Move the layer to CPU."""

@@ -135,11 +135,13 @@ class PaluAttentionMixin:
         if self.config.palu_quant_bits:
             layer = self._quantized_layer(past_key_values)
             past_len = layer.get_seq_length()
-            layer.append(latent_k, latent_v)  # each new token is quantized once
             positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)
+            layer.append(latent_k, latent_v, positions[:, past_len:])  # each new token is quantized once
             scores = layer.key_scores(query_states, self.k_up, positions, inv_freq, backend=backend, **rope)
             probs = _masked_softmax(scores, attention_mask, past_len)
-            attn_output = layer.attend_values(probs, backend=backend)  # [B, H, q, r_v]
+            attn_output = layer.attend_values(probs, positions, backend=backend)  # [B, H, q, r_v]
+            # A prefill keeps every token; a later multi-token pass may be a draft that is rolled back to its root
+            layer.release_window(positions, q_len, committed=past_len == 0)
         else:
             past_len = 0
             if past_key_values is not None:

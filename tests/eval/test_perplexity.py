@@ -37,12 +37,11 @@ def test_split_windows_keeps_tail_of_two_or_more():
         split_windows(ids, 1)
 
 
-@pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("seq_len,batch_size,max_tokens", [(16, 4, None), (7, 2, None), (16, 3, 40)])
-def test_perplexity_matches_hand_computation(seq_len, batch_size, max_tokens, decode):
+def test_perplexity_matches_hand_computation(seq_len, batch_size, max_tokens):
     model = make_tiny_llama()
     text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer."
-    result = compute_perplexity(model, ByteTokenizer(), text, seq_len, max_tokens, batch_size, False, decode)
+    result = compute_perplexity(model, ByteTokenizer(), text, seq_len, max_tokens, batch_size, False)
     ids = ByteTokenizer()(text)["input_ids"][:max_tokens]
     expected, count = brute_force_ppl(model, ids, seq_len)
     assert result["tokens"] == count
@@ -86,26 +85,3 @@ def test_read_eval_text_from_saved_dataset(tmp_path):
     assert read_eval_text(dataset=str(tmp_path / "ds")) == "first line\nsecond line"
     with pytest.raises(ValueError, match="no column"):
         read_eval_text(dataset=str(tmp_path / "ds"), column="content")
-
-
-def test_cli_ppl_decode_flag(tmp_path, capsys):
-    import json
-
-    from hf_accel.cli import main
-    from tests.tiny_checkpoints import write_tiny_llama
-
-    model_dir = write_tiny_llama(tmp_path / "tiny")
-    text = tmp_path / "t.txt"
-    text.write_text("To be, or not to be, that is the question. " * 4)
-    results = []
-    for extra in ([], ["--decode"]):
-        assert (
-            main(["eval", "ppl", "--model", str(model_dir), "--text", str(text), "--seq-len", "32", "--json", *extra])
-            == 0
-        )
-        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    assert [r["decode"] for r in results] == [False, True]
-    assert (
-        results[1]["ppl"] == pytest.approx(results[0]["ppl"], rel=1e-5)
-        and results[1]["tokens"] == results[0]["tokens"]
-    )

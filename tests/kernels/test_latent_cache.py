@@ -214,25 +214,45 @@ def test_batch_rows_equal_single_row_runs(window):
 
 
 @pytest.mark.parametrize("window", [0, 3, 10])  # 10: every token still in the window (a prompt shorter than it)
-def test_fused_reads_match_the_dequantized_states(window):
+def test_fused_reads_apply_the_window_rule_per_query(window):
+    """Query at position p reads keys and values at positions > p − R in full precision, the others from codes."""
     from hf_accel.kernels import get_kernel
 
     layer = PaluQuantizedLayer(bits=3, residual_length=window)
-    layer.update(*_latents(6, 0))
-    layer.update(*_latents(2, 1))
-    keys, values = layer.get_states()
+    (k1, v1), (k2, v2) = _latents(6, 0), _latents(2, 1)
+    positions = torch.arange(8).expand(B, -1)
+    layer.append(k1, v1, positions[:, :6])
+    layer.release_window(positions[:, :6], 6, committed=True)
+    layer.append(k2, v2, positions[:, 6:])  # a 2-token pass: queries at positions 6 and 7
+    raw_k, raw_v = torch.cat([k1, k2], 2), torch.cat([v1, v2], 2)
     heads, head_dim = 2 * G, 8
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(B, heads, 2, head_dim, generator=gen)
     up_proj = torch.randn(G, RK, head_dim, generator=gen)  # one key/value head per group
-    positions = torch.arange(8).expand(B, -1)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)
-    expected = get_kernel("rope_key_scores")(query, keys, up_proj, positions, inv_freq, scaling=0.5)
-    actual = layer.key_scores(query, up_proj, positions, inv_freq, scaling=0.5)
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     probs = torch.rand(B, heads, 2, 8, generator=gen).softmax(-1)
-    expected = probs.reshape(B, G, -1, 8) @ values
-    torch.testing.assert_close(layer.attend_values(probs), expected.view(B, heads, 2, RV), atol=1e-5, rtol=1e-5)
+    actual_scores = layer.key_scores(query, up_proj, positions, inv_freq, scaling=0.5)
+    actual_out = layer.attend_values(probs, positions)
+    for i, p in enumerate((6, 7)):
+        full = ((torch.arange(8) > p - window) & (window > 0))[None, None, :, None]
+        keys, values = torch.where(full, raw_k, _qdq(raw_k)), torch.where(full, raw_v, _qdq(raw_v))
+        expected = get_kernel("rope_key_scores")(
+            query[:, :, i : i + 1], keys, up_proj, positions, inv_freq, scaling=0.5
+        )
+        torch.testing.assert_close(actual_scores[:, :, i : i + 1], expected, atol=1e-5, rtol=1e-5)
+        expected = probs[:, :, i : i + 1].reshape(B, G, -1, 8) @ values
+        torch.testing.assert_close(actual_out[:, :, i : i + 1], expected.view(B, heads, 1, RV), atol=1e-5, rtol=1e-5)
+
+
+def test_release_window_keeps_what_later_queries_read():
+    layer = PaluQuantizedLayer(bits=3, residual_length=4)
+    positions = torch.arange(20).expand(B, -1)
+    layer.append(*_latents(10, 0), positions[:, :10])
+    layer.release_window(positions[:, :10], 10, committed=True)  # a prefill: the next query is at 10
+    assert layer.window_positions[0].tolist() == [7, 8, 9]  # read by query 10 with itself: 4 tokens
+    layer.append(*_latents(5, 1), positions[:, 10:15])
+    layer.release_window(positions[:, :15], 5, committed=False)  # a draft of 5: only its root (10) may stay
+    assert layer.window_positions[0].tolist() == [8, 9, 10, 11, 12, 13, 14]  # what query 11 may read, and on
 
 
 def test_invalid_construction():

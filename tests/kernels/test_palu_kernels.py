@@ -266,15 +266,19 @@ def test_cache_fused_reads_with_triton_backend(window):
 
     gen = torch.Generator().manual_seed(window)
     layer = PaluQuantizedLayer(bits=4, residual_length=window)
-    for tokens in (9, 1):
-        layer.update(*(torch.randn(1, 2, tokens, r, generator=gen).to(DEVICE) for r in (16, 24)))
-    query, up_proj = torch.randn(1, 4, 1, 16, generator=gen), torch.randn(2, 16, 16, generator=gen)
     positions, inv_freq = torch.arange(10).expand(1, -1), _inv_freq(16)
+    for start, tokens in ((0, 9), (9, 1)):
+        states = (torch.randn(1, 2, tokens, r, generator=gen).to(DEVICE) for r in (16, 24))
+        layer.append(*states, positions[:, start : start + tokens].to(DEVICE))
+    query, up_proj = torch.randn(1, 4, 1, 16, generator=gen), torch.randn(2, 16, 16, generator=gen)
     args = [t.to(DEVICE) for t in (query, up_proj, positions, inv_freq)]
     torch.testing.assert_close(
         layer.key_scores(*args, backend="triton").cpu(), layer.key_scores(*args).cpu(), atol=1e-4, rtol=1e-4
     )
     probs = torch.rand(1, 4, 1, 10, generator=gen).softmax(-1).to(DEVICE)
     torch.testing.assert_close(
-        layer.attend_values(probs, backend="triton").cpu(), layer.attend_values(probs).cpu(), atol=1e-5, rtol=1e-4
+        layer.attend_values(probs, args[2], backend="triton").cpu(),
+        layer.attend_values(probs, args[2]).cpu(),
+        atol=1e-5,
+        rtol=1e-4,
     )

@@ -6,11 +6,14 @@ fewer tokens, so the engine passes every slot's position (`key_positions`): batc
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hf_accel.compress.care import convert_care
-from hf_accel.speculative import custom_generate
+from hf_accel.speculative import DraftTree, custom_generate
 from hf_accel.speculative.drafters import build_drafter
 from tests.compress.care_helpers import make_tiny, tiny_calibration
+from tests.speculative.test_engine import _ragged_batch as engine_ragged_batch
 
 
 def _ragged_batch(vocab_size: int, rows: int = 2):
@@ -40,7 +43,7 @@ def test_care_model_under_the_engine(family):
     _assert_speculative_identical(care, rows=2)
 
 
-def test_palu_quantized_cache_under_the_engine():
+def _tiny_palu(residual_length: int):
     from hf_accel.compress.palu import convert_palu
     from tests.compress.test_palu import CALIB_TEXT, FAST, TINY
     from tests.conftest import make_tiny_llama
@@ -48,7 +51,60 @@ def test_palu_quantized_cache_under_the_engine():
 
     model = make_tiny_llama(**TINY)
     palu, _ = convert_palu(
-        model, make_char_tokenizer(), kv_keep=0.5, group_size=2, quant_bits=3, calibration_text=CALIB_TEXT, **FAST
-    )
+        model, make_char_tokenizer(), kv_keep=0.5, group_size=2, quant_bits=3, calibration_text=CALIB_TEXT,
+        residual_length=residual_length, **FAST,
+    )  # fmt: skip
+    return palu
+
+
+@pytest.mark.parametrize("residual_length", [0, 4])
+def test_palu_quantized_cache_under_the_engine(residual_length):
+    # With a full-precision window, a verification pass reads each cached token in full precision or from codes
+    # per query, by position, exactly as one-token decoding would (the window rule of kernels/cache.py)
+    palu = _tiny_palu(residual_length)
     _assert_speculative_identical(palu, rows=1)
     _assert_speculative_identical(palu, rows=2)
+
+
+@pytest.fixture(scope="module")
+def windowed_palu():
+    return _tiny_palu(residual_length=4)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_trees_never_change_a_windowed_palu_models_greedy_output(windowed_palu, data):
+    input_ids, attention_mask = engine_ragged_batch(data.draw(st.integers(1, 3)), seed=data.draw(st.integers(0, 5)))
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False}
+    reference = windowed_palu.generate(**kwargs, pad_token_id=0)
+
+    class RandomTreeDrafter:  # deep trees (up to 8 nodes): verification queries far past the window's length
+        def propose(self, request):
+            trees = []
+            for b in range(len(request.rows)):
+                row, length = int(request.rows[b]), int(request.lengths[b])
+                parents = [data.draw(st.integers(-1, i - 1)) for i in range(data.draw(st.integers(0, 8)))]
+                tokens = []
+                for parent in parents:
+                    depth = 1
+                    while parent >= 0:
+                        parent, depth = parents[parent], depth + 1
+                    good = reference[row, length + depth - 1] if length + depth - 1 < reference.shape[1] else 5
+                    tokens.append(int(good) if data.draw(st.booleans()) else data.draw(st.integers(0, 96)))
+                trees.append((tokens, parents))
+            return DraftTree.from_parent_lists(trees)
+
+    out = windowed_palu.generate(
+        **kwargs, pad_token_id=0, custom_generate=custom_generate, drafter=RandomTreeDrafter()
+    )
+    assert torch.equal(out, reference)
+
+
+def test_a_windowed_palu_prefill_scores_like_decoding():
+    """The window rule is per query: a prefill reads what one-token-at-a-time decoding reads."""
+    from hf_accel.eval.perplexity import decoding_perplexity, perplexity_on_ids
+
+    palu = _tiny_palu(residual_length=4)
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert perplexity_on_ids(palu, ids) == pytest.approx(decoding_perplexity(palu, ids), rel=1e-5)
