@@ -332,3 +332,25 @@ def test_self_distill_resumes_after_a_truncated_last_line(tiny_llama, tmp_path):
     cache.write_text("not json\n")
     with pytest.raises(ValueError, match="line 1 is not a self-distillation record"):
         self_distill(tiny_llama, Tok(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)
+
+
+def test_sampled_drafts_do_not_depend_on_measured_pass_times():
+    """A pass draws random numbers per draft node, so a tree sized from wall-clock times would make a seeded sampled
+    run irreproducible: sampling sizes trees from the configured cost curve; greedy decoding learns from timings."""
+    from hf_accel.speculative.engine import DraftRequest
+
+    ids = torch.tensor([[5, 6, 7, 8] * 3 + [5, 6]])
+
+    def request(do_sample):
+        return DraftRequest(ids, torch.tensor([14]), 14, torch.ones_like(ids), torch.tensor([0]), torch.tensor([30]),
+                            do_sample)  # fmt: skip
+
+    fresh, timed = InfinigramDrafter(None), InfinigramDrafter(None)
+    for tokens in range(1, 40):  # passes over several tokens were measured 1000x dearer than a plain pass
+        timed.cost_model.observe(tokens, 0.01 if tokens == 1 else 10.0)
+    sampled = [d.propose(request(True)) for d in (fresh, timed)]
+    assert sampled[0] is not None and sampled[1] is not None
+    assert torch.equal(sampled[0].input_ids, sampled[1].input_ids) and torch.equal(
+        sampled[0].parent, sampled[1].parent
+    )
+    assert timed.propose(request(False)) is None  # greedy: no draft is worth a pass that dear
