@@ -117,6 +117,8 @@ def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype=torch.floa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name_or_path)
+    if not kwargs.get("trust_remote_code"):
+        _check_no_remote_code(name_or_path, path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
@@ -140,6 +142,23 @@ def checkpoint_dtype(name_or_path) -> torch.dtype | None:
     name = raw.get("dtype") or raw.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def _check_no_remote_code(name: str, path: str) -> None:
+    """One line instead of transformers' interactive prompt and traceback for a checkpoint that ships its own code
+    (a converted CARE/Palu model) loaded without `trust_remote_code`."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(path)
+    except (OSError, ValueError):
+        return  # from_pretrained reports it
+    if raw.get("auto_map") and raw.get("model_type") not in CONFIG_MAPPING:
+        raise ValueError(
+            f"model {name!r} ({raw.get('model_type')}) runs code shipped with the checkpoint: pass "
+            "--trust-remote-code (`--trust_remote_code` for train heal; trust_remote_code=True in Python)"
+        )
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL, trust_remote_code: bool = False):

@@ -135,3 +135,16 @@ def test_measured_cache_bytes_of_the_default_model(default_model):
     model, _ = default_model
     # fp32 GQA cache of SmolLM2: 30 layers x (K + V) x 3 KV heads x 64 dims x 4 bytes
     assert measure_cache_bytes_per_token(model, torch.arange(10).view(2, 5)) == 30 * 2 * 3 * 64 * 4
+
+
+def test_a_remote_code_checkpoint_without_trust_remote_code_is_one_line(tmp_path, capsys):
+    from tests.tiny_checkpoints import write_tiny_remote_model
+
+    model_dir = write_tiny_remote_model(tmp_path / "tiny")
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be. " * 20)
+    capsys.readouterr()  # the checkpoint's writing progress
+    assert main(["eval", "ppl", "--model", str(model_dir), "--text", str(text)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pass --trust-remote-code" in err[0], err
+    assert main(["eval", "ppl", "--model", str(model_dir), "--text", str(text), "--trust-remote-code", "--json"]) == 0
