@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     args.unknown_args = unknown
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    # Bad input, and file-system refusals (a path under a file, a read-only directory) that input can cause
+    except (ValueError, ImportError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as err:
         print(f"hf-accel {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

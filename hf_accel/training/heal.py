@@ -120,6 +120,10 @@ class HealingArguments(TrainingArguments):
         default=16384, metadata={"help": "Score only the first N tokens of the validation text."}
     )
     ppl_eval_steps: int = field(default=50, metadata={"help": "Measure validation perplexity every N steps."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Write into a non-empty --output_dir (not needed to resume from its checkpoints)."},
+    )
     max_train_minutes: float | None = field(
         default=None,
         metadata={
@@ -440,6 +444,24 @@ class HealingResult:
     summary: dict
 
 
+def _check_output_dir(args: HealingArguments) -> None:
+    """Refuses, before anything loads, an `--output_dir` that is a model being read, a file, or a used directory
+    (unless resuming from it or `--overwrite_output_dir`): the healed checkpoint replaces files of the same names."""
+    from ..compress.export import check_output_dir
+    from ..loading import resolve_model
+
+    out = check_output_dir(args.output_dir, overwrite=True)  # a file, or a path under one, fails here
+    for name in filter(None, (args.model_name_or_path, args.teacher_model_name_or_path)):
+        source = resolve_model(name)
+        if Path(source).is_dir() and Path(source).resolve() == out:
+            raise ValueError(f"--output_dir {args.output_dir} is the model {name!r} itself: choose another directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite_output_dir and _resume_target(args) is None:
+        raise ValueError(
+            f"--output_dir {args.output_dir} exists and is not empty: pass --overwrite_output_dir, "
+            "--resume_from_checkpoint last, or another directory"
+        )
+
+
 def _build_trainer(args: HealingArguments) -> tuple[HealingTrainer, object, PerplexityCallback | None]:
     student, teacher, tokenizer = _load_models(args)
     set_seed(args.seed)  # the Trainer seeds only after this, too late for the LoRA weights' initialisation
@@ -491,6 +513,7 @@ def run_healing(args: HealingArguments) -> HealingResult:
     """
     from ..loading import resolve_model
 
+    _check_output_dir(args)
     trainer, tokenizer, callback = _build_trainer(args)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result = trainer.train(resume_from_checkpoint=_resume_target(args))

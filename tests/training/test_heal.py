@@ -362,7 +362,9 @@ def test_a_new_run_in_a_used_directory_starts_its_own_curve(checkpoints, tmp_pat
     out.mkdir()
     stale = {"reference_ppl": 999.0, "points": [{"step": 0, "tokens": 0, "ppl": 999.0}]}
     (out / "ppl_history.json").write_text(json.dumps(stale))
-    run_healing(_args(checkpoints, out, max_steps=1))
+    with pytest.raises(ValueError, match="exists and is not empty: pass --overwrite_output_dir"):
+        run_healing(_args(checkpoints, out, max_steps=1))
+    run_healing(_args(checkpoints, out, max_steps=1, overwrite_output_dir=True))
     history = json.loads((out / "ppl_history.json").read_text())
     assert history["reference_ppl"] != 999.0 and 999.0 not in [p["ppl"] for p in history["points"]]
 
@@ -455,3 +457,12 @@ def test_checkpoint_dtype_reads_a_hub_id_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert checkpoint_dtype("org/student") == torch.bfloat16
     assert checkpoint_dtype("org/absent") is None
+
+
+def test_output_dir_that_is_the_student_is_refused_before_loading(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="is the model .* itself"):
+        run_healing(_args(checkpoints, checkpoints["student"], max_steps=1, overwrite_output_dir=True))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="is an existing file"):
+        run_healing(_args(checkpoints, a_file, max_steps=1))
