@@ -33,6 +33,7 @@ def _run_build(args) -> int:
     from ..compress.export import check_output_dir
     from ..loading import load_model_and_tokenizer, load_tokenizer
     from .drafters.build import (
+        SELF_DISTILL_CACHE,
         build_index_from_documents,
         iter_dataset_documents,
         iter_text_file_documents,
@@ -43,7 +44,13 @@ def _run_build(args) -> int:
         raise ValueError("nothing to index: pass --text FILE..., --dataset NAME, or --self-distill PROMPTS...")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise ValueError("--max-new-tokens and --batch-size must be at least 1")
-    check_output_dir(args.out, overwrite=True)  # a file is refused; a used index directory is rebuilt in place
+    out = check_output_dir(args.out, overwrite=True)  # a file is refused; a used index directory is rebuilt in place
+    if (
+        out.is_dir()
+        and any(out.iterdir())
+        and not any((out / n).exists() for n in ("header.json", SELF_DISTILL_CACHE))
+    ):
+        raise ValueError(f"--out {args.out} holds files that are not an index: choose an empty or an index directory")
     missing = [path for path in args.text if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"text file(s) not found: {', '.join(missing)}")

@@ -288,7 +288,10 @@ def test_index_build_cli_errors_are_one_line_and_come_before_loading(tmp_path, c
         (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "/no/such.jsonl"], "not found"),
         (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--text", str(text)], "no-such-model"),
         (["--out", str(tmp_path / "o"), "--dataset", "hf-accel-test/no-such-dataset"], "cannot load dataset"),
+        (["--out", str(tmp_path / "used"), "--text", str(text)], "holds files that are not an index"),
     ]  # fmt: skip
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "model.safetensors").write_text("x")  # e.g. a checkpoint
     for argv, message in cases:
         assert main(["index", "build", *argv]) == 2
         err = capsys.readouterr().err.strip()
