@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .calibration import KvCalibration, collect_kv_calibration
 from .export import atomic_output_dir, copy_remote_code, plot_ranks, write_json
@@ -98,10 +99,12 @@ def _two_sided_factors(idx, w_k, w_v, calibration: KvCalibration, config: CareCo
     return tuple(pair)
 
 
-def factorize_kv(model, calibration: KvCalibration | None, method: str, config: CareConversionConfig):
+def factorize_kv(
+    model, calibration: KvCalibration | None, method: str, config: CareConversionConfig, progress: bool = False
+):
     """Full-rank factors `[(K factors, V factors)]` per layer for `method` (no truncation yet)."""
     factors = []
-    for idx, (w_k, w_v) in enumerate(kv_weights(model)):
+    for idx, (w_k, w_v) in enumerate(tqdm(kv_weights(model), desc="factorize", unit="layer", disable=not progress)):
         if method == "svd":
             pair = (factorize(w_k), factorize(w_v))
         elif method == "asvd":
@@ -334,7 +337,7 @@ def run_care_conversion(
         )
     calibration_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    factors = factorize_kv(model, calibration, config.method, config)
+    factors = factorize_kv(model, calibration, config.method, config, progress)
     k_ranks, v_ranks = allocate_ranks(factors, config.kv_keep, config.method, config.rank_floor_frac)
     care_model = build_care_model(model, factors, k_ranks, v_ranks, config.absorb_value)
     return CareResult(

@@ -63,7 +63,7 @@ def run_convert_care(args) -> int:
         model,
         tokenizer,
         config,
-        progress=not args.json,
+        progress=True,  # bars go to stderr, --json to stdout
         calib=args.calib,
         num_samples=args.calib_samples,
         seq_len=args.calib_seq_len,

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .calibration import (
     check_calibration_source,
@@ -477,7 +478,7 @@ def convert_palu(
     start = time.perf_counter()
     all_scales = _layer_scales(calibration, conversion.alpha, conversion.lam_frac)
     full, sigmas = [], []  # per layer: (K groups, V groups) full-rank factors; K-FAC σ of each group
-    for idx, layer in enumerate(model.model.layers):
+    for idx, layer in enumerate(tqdm(model.model.layers, desc="factorize", unit="layer", disable=not progress)):
         attn = layer.self_attn
         common = {"num_key_value_heads": n_kv, "head_dim": head_dim, "group_size": group_size}
         common.update(scales=all_scales[idx], alpha=conversion.alpha, lam_frac=conversion.lam_frac)
@@ -717,7 +718,7 @@ def _run_convert_palu(args) -> int:
     group_size = check_palu_model(model, conversion)  # before the (slow) calibration
     ids = load_calibration_ids(
         model, tokenizer, args.calib, args.calib_samples, args.calib_seq_len, seed=conversion.seed,
-        progress=not args.json,
+        progress=True,  # bars go to stderr, --json to stdout
     )  # fmt: skip
     palu, info = convert_palu(
         model,
@@ -728,7 +729,7 @@ def _run_convert_palu(args) -> int:
         quant_bits=args.quant_bits,
         hadamard=not args.no_hadamard,
         calibration_ids=ids,
-        progress=not args.json,
+        progress=True,  # bars go to stderr, --json to stdout
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
         fisher_samples=args.fisher_samples,

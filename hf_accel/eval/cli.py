@@ -98,7 +98,9 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def format_bench_table(result: dict) -> str:
     """A human table of a `bench generate` result: one row per method, then one per method × category."""
-    head = f"{'method':<28}{'category':<16}{'tok/s':>8}{'speedup':>9}{'accepted':>10}{'identical':>11}"
+    width = max([28, *(len(m) + 2 for m in result["methods"])])  # index paths can be long
+    cat_width = max([16, *(len(c) + 2 for f in result["methods"].values() for c in f["per_category"])])
+    head = f"{'method':<{width}}{'category':<{cat_width}}{'tok/s':>8}{'speedup':>9}{'accepted':>10}{'identical':>11}"
     lines = [
         (
             f"model {result['model']} · {result['prompts']} prompts · batch {result['batch_size']} · "
@@ -111,7 +113,8 @@ def format_bench_table(result: dict) -> str:
     def row(method, category, f):
         acc = "-" if f["mean_accepted"] is None else f"{f['mean_accepted']:.2f}"
         same = "-" if f["identical"] is None else ("yes" if f["identical"] else "NO")
-        return f"{method:<28}{category:<16}{f['tokens_per_s']:>8.1f}{f.get('speedup', 1.0):>8.2f}x{acc:>10}{same:>11}"
+        figures = f"{f['tokens_per_s']:>8.1f}{f.get('speedup', 1.0):>8.2f}x{acc:>10}{same:>11}"
+        return f"{method:<{width}}{category:<{cat_width}}{figures}"
 
     for method, figures in result["methods"].items():
         lines.append(row(method, "all", figures))

@@ -148,3 +148,15 @@ def test_a_remote_code_checkpoint_without_trust_remote_code_is_one_line(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pass --trust-remote-code" in err[0], err
     assert main(["eval", "ppl", "--model", str(model_dir), "--text", str(text), "--trust-remote-code", "--json"]) == 0
+
+
+def test_bench_table_columns_fit_long_method_names():
+    from hf_accel.eval.cli import format_bench_table
+
+    figures = {"tokens_per_s": 10.0, "speedup": 1.5, "mean_accepted": 2.0, "identical": True}
+    long_name = "ngram:hf_accel/data/indexes/smollm2-135m-chat-build"
+    result = {"model": "m", "prompts": 2, "batch_size": 1, "do_sample": False, "max_new_tokens": 8,
+              "methods": {long_name: {**figures, "per_category": {"a-long-category-name": figures}}}}  # fmt: skip
+    table = format_bench_table(result).splitlines()
+    row = next(line for line in table if line.startswith(long_name) and "a-long-category-name" in line)
+    assert row.split() == [long_name, "a-long-category-name", "10.0", "1.50x", "2.00", "yes"]
