@@ -175,6 +175,9 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL, trust_remote_code: bool = 
         raise ModelNotFoundError(f"cannot load the tokenizer of {name_or_path!r}: {str(err).splitlines()[0]}") from err
 
 
+_DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
 def load_dataset_split(name: str, split: str = "train", config: str | None = None, column: str | None = None):
     """One split of a `datasets` dataset: a `save_to_disk` directory, local data files, or a Hub id (read from the
     Hugging Face cache when offline).
@@ -189,6 +192,11 @@ def load_dataset_split(name: str, split: str = "train", config: str | None = Non
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():  # written by save_to_disk
             loaded = datasets.load_from_disk(name)
             data = loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        elif local.is_file():  # one data file is the requested split
+            builder = _DATA_FILE_BUILDERS.get(local.suffix.lower())
+            if builder is None:
+                raise ValueError(f"unknown data file type {local.suffix!r}; use one of {sorted(_DATA_FILE_BUILDERS)}")
+            data = datasets.load_dataset(builder, data_files={split: name}, split=split)
         else:
             data = datasets.load_dataset(name, config, split=split)
     except Exception as err:  # datasets raises many types for a missing or unreachable dataset

@@ -161,7 +161,7 @@ def read_eval_text(path: str | None = None, dataset: str | None = None, split: s
     if path is not None:
         file = Path(path)
         if not file.is_file():
-            raise FileNotFoundError(f"text file not found: {path}")
+            raise FileNotFoundError(f"text file {'is a directory' if file.is_dir() else 'not found'}: {path}")
         text = file.read_text(encoding="utf-8")
     else:
         from ..loading import load_dataset_split

@@ -85,3 +85,11 @@ def test_read_eval_text_from_saved_dataset(tmp_path):
     assert read_eval_text(dataset=str(tmp_path / "ds")) == "first line\nsecond line"
     with pytest.raises(ValueError, match="no column"):
         read_eval_text(dataset=str(tmp_path / "ds"), column="content")
+
+
+def test_read_eval_text_from_one_data_file(tmp_path):
+    (tmp_path / "test.jsonl").write_text('{"text": "first line"}\n{"text": "second line"}\n')
+    assert read_eval_text(dataset=str(tmp_path / "test.jsonl")) == "first line\nsecond line"  # split "test"
+    (tmp_path / "notes.xyz").write_text("x")
+    with pytest.raises(ValueError, match="unknown data file type"):
+        read_eval_text(dataset=str(tmp_path / "notes.xyz"))
