@@ -56,6 +56,7 @@ def run_convert_care(args) -> int:
             f"{args.calib_samples} and {args.calib_seq_len}"
         )
     check_calibration_source(args.calib)
+    resolve_model(args.model)  # a missing local model is named first
     base_model = card_base_model(args.base_model or args.model)
     check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)

@@ -712,6 +712,7 @@ def _run_convert_palu(args) -> int:
         rank_multiple=args.rank_multiple,
     )
     check_calibration_source(args.calib)
+    resolve_model(args.model)  # a missing local model is named first
     base_model = card_base_model(args.base_model or args.model)
     out = check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)

@@ -83,6 +83,8 @@ def test_summarize_speedup_and_identity_by_hand():
         (["convert", "palu", "--kv-keep", "0.5", "--calib", "/no/such.txt", "--out", "/tmp/x"], "not found"),
         (["convert", "care", "--kv-keep", "0.5", "--out", "pyproject.toml"], "is an existing file"),
         (["convert", "palu", "--kv-keep", "0.5", "--out", "pyproject.toml"], "is an existing file"),
+        (["convert", "palu", "--kv-keep", "0.5", "--model", "/no/such/model", "--out", "/tmp/x"], "not a directory"),
+        (["convert", "care", "--kv-keep", "0.5", "--model", "/no/such/model", "--out", "/tmp/x"], "not a directory"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys):
