@@ -398,7 +398,8 @@ def push_to_hub(
     commit_message: str | None = None,
     ignore_patterns=DEFAULT_IGNORE_PATTERNS,
 ) -> str:
-    """Creates (if needed) the model repository `repo_id` and uploads `folder` to it.
+    """Creates (if needed) the model repository `repo_id` and uploads `folder` to it, in one commit (a drafter's
+    `custom_generate/generate.py` is published naming the repository, see [`write_custom_generate`]).
 
     Args:
         folder (`str` or `Path`): an artifact directory (see [`save_artifact`]).
@@ -464,7 +465,8 @@ def populate_hub_cache(
     commit_hash: str | None = None,
     ignore_patterns=DEFAULT_IGNORE_PATTERNS,
 ) -> Path:
-    """Writes `folder` into a Hugging Face cache as if `repo_id` had been downloaded from the Hub.
+    """Writes `folder` into a Hugging Face cache as if `repo_id` had been downloaded from the Hub (published as
+    [`push_to_hub`] would: a drafter's `custom_generate/generate.py` names `repo_id`).
 
     Layout (the Hub client's): `models--ORG--NAME/blobs/<sha256>` holds each file's bytes,
     `snapshots/<commit>/<path>` links to its blob (a copy where symlinks are not allowed), and `refs/<revision>`
