@@ -17,10 +17,16 @@ from .cli import print_json
 from .eval.memory import measure_cache_bytes_per_token
 
 
+# Three kinds of request: a short answer with nothing to draft from (n-gram drafting cannot help), code (some
+# repetition), and extraction from a given passage (the answer copies the prompt: n-gram drafting's best case).
 DEMO_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a Python function that returns the n-th Fibonacci number.",
-    "Translate to French: The weather is nice today and we are going to the park.",
+    (
+        "Copy every sentence of this text that mentions a city, word for word:\n\nAnna Schmidt moved from Berlin "
+        "to Lisbon in 2019. She works as a nurse. Two years later, her brother Jonas followed her to Lisbon, while "
+        "their cousin Mia moved to Vienna. Mia studies music. In 2022, Paul Richter left Hamburg for Copenhagen."
+    ),
 ]
 _SHIPPED_INDEX = Path(__file__).resolve().parent / "data" / "indexes" / "smollm2-135m-chat-build"
 _PPL_TOKENS = 2048
