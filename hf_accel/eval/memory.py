@@ -31,10 +31,16 @@ def cache_bytes_per_token(past_key_values, batch_size: int = 1) -> float:
 
 @torch.no_grad()
 def measure_cache_bytes_per_token(model, input_ids: torch.Tensor, past_key_values=None) -> float:
-    """Runs a prefill of `input_ids` (`[B, S]`) and returns the cache's bytes per token and sequence.
+    """Fills a cache with `input_ids` (`[B, S]`) as `generate` does, a prefill of all but the last token and one
+    decoding step, and returns its bytes per token and sequence (a cache that drops what no later query reads at
+    each step, like Palu's full-precision window, is measured at its decoding size).
 
     Args:
         past_key_values (`Cache`, *optional*): the (empty) cache to fill; the model's default cache otherwise.
     """
-    out = model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True)
+    if input_ids.shape[1] > 1:
+        past_key_values = model(
+            input_ids=input_ids[:, :-1], past_key_values=past_key_values, use_cache=True
+        ).past_key_values
+    out = model(input_ids=input_ids[:, -1:], past_key_values=past_key_values, use_cache=True)
     return cache_bytes_per_token(out.past_key_values, input_ids.shape[0])

@@ -95,6 +95,8 @@ class PaluQuantizedLayer(DynamicLayer):
         if self.residual_length > 0:
             if positions is None:
                 positions = torch.full(key_states.shape[:1] + key_states.shape[2:3], -1, dtype=torch.long)
+            elif self.window_length:  # no query of this pass, or of a later one, is below its first position
+                self._drop_unreadable(positions.to(self.window_positions).amin(-1))
             self.keys = torch.cat([self.keys, key_states.to(self.dtype)], dim=-2)
             self.values = torch.cat([self.values, value_states.to(self.dtype)], dim=-2)
             self.window_positions = torch.cat([self.window_positions, positions.to(self.window_positions)], dim=-1)
@@ -110,25 +112,29 @@ class PaluQuantizedLayer(DynamicLayer):
         # [B, q, W]: query i reads window token j in full precision iff position_j > position_i − R
         return self.window_positions[:, None, :] > query_positions[:, :, None] - self.residual_length
 
-    def release_window(self, key_positions: torch.LongTensor, num_queries: int, committed: bool) -> None:
+    def release_window(self, key_positions: torch.LongTensor, num_queries: int) -> None:
         """
-        Drop the full-precision copies that no later query can read.
+        Drop the full-precision copies that no later query can read, after a pass.
 
-        A later query has a position above the latest query of this pass if the pass is `committed` (a prefill:
-        every token stays), else above its earliest (a verification pass may keep only its root).
+        A later query has a position above the earliest query of this pass (a verification pass may keep only its
+        root; transformers' assisted generation crops even its first pass, so a prefill is no exception).
 
         Args:
             key_positions (`torch.LongTensor` of shape `[batch, seq_len]`): the pass's positions of every slot; the
                 last `num_queries` are its queries.
             num_queries (`int`): tokens of the pass.
-            committed (`bool`): whether all of them stay in the cache.
         """
-        if self.window_length == 0:
-            return
-        queries = key_positions[:, key_positions.shape[1] - num_queries :]
-        next_query = (queries.amax(-1) if committed else queries.amin(-1)) + 1
-        readable = self.window_positions > (next_query - self.residual_length)[:, None]
-        self._keep_window(int(readable.sum(-1).max()))  # positions never decrease along slots: a suffix per row
+        if self.window_length:
+            queries = key_positions[:, key_positions.shape[1] - num_queries :].to(self.window_positions)
+            self._drop_unreadable(queries.amin(-1) + 1)
+
+    def _drop_unreadable(self, lowest_query: torch.LongTensor) -> None:
+        # Keep every copy from the earliest one that a query at position >= lowest_query[b] reads, in any row (masked
+        # holes repeat an earlier position, so readable copies need not be a suffix of the slots)
+        readable = self.window_positions > (lowest_query - self.residual_length)[:, None]  # [B, W]
+        width = readable.shape[1]
+        first = torch.where(readable.any(-1), readable.int().argmax(-1), width)
+        self._keep_window(width - int(first.min()))
 
     def _read(self, quantized: QuantizedLatents, window: torch.Tensor) -> torch.Tensor:
         dequantized = quantized.dequantize(self.dtype)  # [B, G, S, r]

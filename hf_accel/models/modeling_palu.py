@@ -140,8 +140,7 @@ class PaluAttentionMixin:
             scores = layer.key_scores(query_states, self.k_up, positions, inv_freq, backend=backend, **rope)
             probs = _masked_softmax(scores, attention_mask, past_len)
             attn_output = layer.attend_values(probs, positions, backend=backend)  # [B, H, q, r_v]
-            # A prefill keeps every token; a later multi-token pass may be a draft that is rolled back to its root
-            layer.release_window(positions, q_len, committed=past_len == 0)
+            layer.release_window(positions, q_len)  # what no later query reads (any pass may be rolled back)
         else:
             past_len = 0
             if past_key_values is not None:

@@ -222,7 +222,7 @@ def test_fused_reads_apply_the_window_rule_per_query(window):
     (k1, v1), (k2, v2) = _latents(6, 0), _latents(2, 1)
     positions = torch.arange(8).expand(B, -1)
     layer.append(k1, v1, positions[:, :6])
-    layer.release_window(positions[:, :6], 6, committed=True)
+    layer.release_window(positions[:, :6], 6)
     layer.append(k2, v2, positions[:, 6:])  # a 2-token pass: queries at positions 6 and 7
     raw_k, raw_v = torch.cat([k1, k2], 2), torch.cat([v1, v2], 2)
     heads, head_dim = 2 * G, 8
@@ -248,11 +248,21 @@ def test_release_window_keeps_what_later_queries_read():
     layer = PaluQuantizedLayer(bits=3, residual_length=4)
     positions = torch.arange(20).expand(B, -1)
     layer.append(*_latents(10, 0), positions[:, :10])
-    layer.release_window(positions[:, :10], 10, committed=True)  # a prefill: the next query is at 10
-    assert layer.window_positions[0].tolist() == [7, 8, 9]  # read by query 10 with itself: 4 tokens
-    layer.append(*_latents(5, 1), positions[:, 10:15])
-    layer.release_window(positions[:, :15], 5, committed=False)  # a draft of 5: only its root (10) may stay
-    assert layer.window_positions[0].tolist() == [8, 9, 10, 11, 12, 13, 14]  # what query 11 may read, and on
+    layer.release_window(positions[:, :10], 10)  # any pass may be rolled back (transformers crops its first)
+    assert layer.window_positions[0].tolist() == list(range(10))
+    layer.append(*_latents(5, 1), positions[:, 10:15])  # queries from 10 on: 7, 8, 9 are still read
+    assert layer.window_positions[0].tolist() == list(range(7, 15))
+    layer.release_window(positions[:, :15], 5)  # a draft of 5 rooted at 10: the next query is at 11 or later
+    assert layer.window_positions[0].tolist() == list(range(8, 15))
+
+
+def test_release_window_with_masked_holes_keeps_every_readable_copy():
+    # Batched verification leaves holes that repeat an earlier position: readable copies are not a suffix of slots
+    layer = PaluQuantizedLayer(bits=3, residual_length=4)
+    positions = torch.tensor([[5, 6, 7, 4, 4, 8], [3, 4, 5, 6, 7, 8]])
+    layer.append(*_latents(6, 0), positions)
+    layer.release_window(positions, 1)  # next query at 9: reads positions 6, 7, 8
+    assert layer.window_positions.tolist() == [[6, 7, 4, 4, 8], [4, 5, 6, 7, 8]]
 
 
 def test_invalid_construction():

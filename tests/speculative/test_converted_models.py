@@ -43,7 +43,7 @@ def test_care_model_under_the_engine(family):
     _assert_speculative_identical(care, rows=2)
 
 
-def _tiny_palu(residual_length: int):
+def _tiny_palu(residual_length: int, bits: int = 3):
     from hf_accel.compress.palu import convert_palu
     from tests.compress.test_palu import CALIB_TEXT, FAST, TINY
     from tests.conftest import make_tiny_llama
@@ -51,7 +51,7 @@ def _tiny_palu(residual_length: int):
 
     model = make_tiny_llama(**TINY)
     palu, _ = convert_palu(
-        model, make_char_tokenizer(), kv_keep=0.5, group_size=2, quant_bits=3, calibration_text=CALIB_TEXT,
+        model, make_char_tokenizer(), kv_keep=0.5, group_size=2, quant_bits=bits, calibration_text=CALIB_TEXT,
         residual_length=residual_length, **FAST,
     )  # fmt: skip
     return palu
@@ -108,3 +108,36 @@ def test_a_windowed_palu_prefill_scores_like_decoding():
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert perplexity_on_ids(palu, ids) == pytest.approx(decoding_perplexity(palu, ids), rel=1e-5)
+
+
+def _vocab_ragged_batch(batch_size: int, width: int, seed: int):
+    """Left-padded rows of ids over the tiny Palu model's 128-token vocabulary."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 128, (batch_size, width), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for b in range(batch_size):
+        pad = (b * 3) % (width - 2)
+        input_ids[b, :pad], attention_mask[b, :pad] = 0, 0
+    return input_ids, attention_mask
+
+
+def test_a_windowed_palu_model_in_long_ragged_speculation_and_transformers_prompt_lookup():
+    """2-bit codes move the logits enough to show a token read from codes where decoding reads full precision. Rows
+    that accept different lengths leave masked holes that repeat an earlier position, and transformers' assisted
+    generation crops even its first pass: every copy a later query reads must survive both (under the previous
+    rules, seeds 1, 5, 7, 11 and 12 of the first loop and seed 5 of the second differed from plain greedy)."""
+    from tests.speculative.test_engine import ReferenceDrafter
+
+    palu = _tiny_palu(residual_length=4, bits=2)
+    for seed in range(13):
+        input_ids, attention_mask = _vocab_ragged_batch(4, 10, seed)
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 40,
+                  "do_sample": False, "pad_token_id": 0}  # fmt: skip
+        reference = palu.generate(**kwargs)
+        for tree in (False, True):
+            drafter = ReferenceDrafter(reference, depth=6, tree=tree, seed=seed, corrupt_every=2)
+            assert torch.equal(palu.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
+    for seed in range(6):
+        prompt = torch.cat([_vocab_ragged_batch(1, 10, seed)[0]] * 2, dim=1)
+        kwargs = {"input_ids": prompt, "max_new_tokens": 25, "do_sample": False, "pad_token_id": 0}
+        assert torch.equal(palu.generate(**kwargs, prompt_lookup_num_tokens=5), palu.generate(**kwargs))
