@@ -357,3 +357,18 @@ def test_sampled_drafts_do_not_depend_on_measured_pass_times():
         sampled[0].parent, sampled[1].parent
     )
     assert timed.propose(request(False)) is None  # greedy: no draft is worth a pass that dear
+
+
+def test_a_reused_drafter_gives_the_same_seeded_sample():
+    """What a drafter learned in earlier calls must not change a seeded sampled call (nor its trees)."""
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama()
+    kwargs = {"input_ids": torch.tensor([[5, 6, 7, 8] * 4]), "max_new_tokens": 24, "do_sample": True,
+              "temperature": 0.7, "custom_generate": custom_generate}  # fmt: skip
+    drafter, runs = InfinigramDrafter(None), []
+    for _ in range(3):
+        torch.manual_seed(0)
+        out = model.generate(**kwargs, drafter=drafter)
+        runs.append((out, drafter.last_stats.draft_nodes))
+    assert runs[0][1] > 0 and all(torch.equal(out, runs[0][0]) and nodes == runs[0][1] for out, nodes in runs)

@@ -229,8 +229,15 @@ class InfinigramDrafter:
         self.cost_model = PassCostModel(self.config.verify_cost, adaptive=self.config.adaptive_cost)
         self.fixed_cost_model = PassCostModel(self.config.verify_cost, adaptive=False)
         self.calibrator = AcceptanceCalibrator() if self.config.calibrate else None
+        self._call_calibrator = self.calibrator  # a sampled call's own, see `begin`
         self._proposed = {}  # original row -> (parents, scores) of the nodes proposed in the pending pass
         self.last_stats = None
+
+    def begin(self, input_ids, attention_mask, generation_config) -> None:
+        """A sampled call calibrates from scratch: what earlier calls taught the drafter would change its trees, and
+        with them the random draws of a seeded run. Greedy calls keep learning across calls."""
+        sampled = self.calibrator is not None and generation_config.do_sample
+        self._call_calibrator = AcceptanceCalibrator() if sampled else self.calibrator
 
     def propose(self, request) -> DraftTree | None:
         batch_size = len(request.rows)
@@ -255,16 +262,16 @@ class InfinigramDrafter:
         return DraftTree.from_parent_lists(trees, device=request.sequences.device)
 
     def _calibrated(self, scores: list[float], parents: list[int]) -> list[float]:
-        if self.calibrator is None:
+        if self._call_calibrator is None:
             return scores
-        return [self.calibrator.probability(s, d) for s, d in zip(scores, node_depths(parents))]
+        return [self._call_calibrator.probability(s, d) for s, d in zip(scores, node_depths(parents))]
 
     def update(self, result) -> None:
         """Learns the pass cost (engine timing) and the acceptance rate by score (accepted nodes) of each pass."""
         if result.is_prefill:
             return
         self.cost_model.observe(result.num_input_tokens, result.pass_seconds)
-        if self.calibrator is None:
+        if self._call_calibrator is None:
             return
         for b, row in enumerate(result.rows.tolist()):
             if row not in self._proposed:
@@ -274,7 +281,7 @@ class InfinigramDrafter:
             while node >= 0:  # the accepted nodes are the best node's ancestors
                 on_path.add(node)
                 node = parents[node]
-            self.calibrator.observe(scores, [n in on_path for n in range(len(scores))], node_depths(parents))
+            self._call_calibrator.observe(scores, [n in on_path for n in range(len(scores))], node_depths(parents))
 
     def draft_row(self, context: np.ndarray, depth: int, max_nodes: int) -> tuple[list[int], list[int], list[float]]:
         """`(tokens, parents, scores)` of one row's candidate nodes, by decreasing score (drafter numbering)."""
