@@ -291,6 +291,7 @@ def test_a_drafter_artifact_runs_from_generate_by_its_directory(tmp_path):
                           trust_remote_code=True)  # fmt: skip
     assert torch.equal(plain, ours)
     assert ours.speculative_stats.target_forward_passes < 16  # the index drafted, and drafts were accepted
+
     # transformers runs a copy of repo_generate (in its modules cache), not this module
     assert not repo_generate._drafters
 
@@ -335,3 +336,23 @@ def test_write_custom_generate_refuses_an_unknown_drafter(tmp_path):
     with pytest.raises(ValueError, match="unknown drafter 'nope'"):
         save_artifact(tmp_path / "a", "drafter-index", "org/base", drafter="nope")
     assert not (tmp_path / "a").exists()
+
+
+def test_repo_generate_turns_stop_strings_into_a_criterion(monkeypatch):
+    """transformers drops `tokenizer=` before a callable `custom_generate`: the repository's generate.py passes stop
+    strings on as a `StopStringCriteria` instead."""
+    from transformers import GenerationConfig, GenerationMixin, StopStringCriteria
+
+    from hf_accel.loading import load_tokenizer
+    from hf_accel.speculative import repo_generate
+
+    calls = []
+    monkeypatch.setattr(GenerationMixin, "generate", lambda model, *args, **kwargs: calls.append(kwargs))
+    tokenizer, config = load_tokenizer("smollm2-135m"), GenerationConfig(stop_strings=["\n\n"], max_new_tokens=4)
+    for kwargs in ({"stop_strings": ["\n\n"]}, {"generation_config": config}):
+        repo_generate.generate(object(), drafter="a drafter", tokenizer=tokenizer, **kwargs)
+        [criterion] = calls.pop()["stopping_criteria"]
+        assert isinstance(criterion, StopStringCriteria)
+    assert config.stop_strings == ["\n\n"]  # the caller's config is left as it was
+    with pytest.raises(ValueError, match="pass `tokenizer=`"):
+        repo_generate.generate(object(), drafter="a drafter", stop_strings=["x"])

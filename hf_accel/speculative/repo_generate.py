@@ -16,6 +16,7 @@ uses the call's `tokenizer=` or, without one, the tokenizer saved with the model
 (`custom_generate/requirements.txt`).
 """
 
+import copy
 import weakref
 
 
@@ -26,7 +27,7 @@ _drafters = weakref.WeakKeyDictionary()  # model -> its drafter, built on the fi
 
 
 def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
-    from transformers import AutoTokenizer, GenerationMixin
+    from transformers import AutoTokenizer, GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
     from hf_accel.speculative import custom_generate
     from hf_accel.speculative.drafters import build_drafter
@@ -43,4 +44,18 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
                     "`tokenizer=` to `generate`"
                 ) from err
         drafter = _drafters[model] = build_drafter(DRAFTER, ARTIFACT, model, tokenizer)
+    # transformers drops `tokenizer` before a callable `custom_generate`, so stop strings become a criterion here
+    stop_strings = kwargs.pop("stop_strings", None)
+    config = kwargs.get("generation_config")
+    if config is not None and getattr(config, "stop_strings", None):
+        stop_strings = stop_strings or config.stop_strings
+        config = copy.deepcopy(config)
+        config.stop_strings = None
+        kwargs["generation_config"] = config
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer: pass `tokenizer=` to `generate`")
+        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+        criteria.append(StopStringCriteria(tokenizer, stop_strings))
+        kwargs["stopping_criteria"] = criteria
     return GenerationMixin.generate(model, *args, custom_generate=custom_generate, drafter=drafter, **kwargs)
