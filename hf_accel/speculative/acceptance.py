@@ -115,3 +115,22 @@ def sample_accept_tree(
             return path, bonus
         node = accepted
         path.append(node)
+
+
+def position_gumbel_noise(
+    seed: int, rows: list[int], positions: list[int], vocab_size: int, device=None
+) -> torch.Tensor:
+    """Gumbel noise `[K, vocab_size]`, a fixed function of `(seed, row, position)` for each of the K pairs.
+
+    `argmax(log_softmax(scores) + noise)` samples from `softmax(scores)` (the Gumbel-max trick). Drawing the noise per
+    output position, not per draft node, makes the sampled token at a position the same whatever the draft tree:
+    a deterministic draft is accepted iff it equals that token, which happens with probability `p(draft)` (the
+    point-mass rule's), so sampling stays lossless and a seeded run never depends on how the drafter sized its trees.
+    """
+    keys = [((seed * 1_000_003 + row) * 1_000_033 + position) % 2**63 for row, position in zip(rows, positions)]
+    unique = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # nodes at one position share their noise
+    noise = torch.empty((len(unique), vocab_size))
+    for key, i in unique.items():
+        uniform = torch.rand(vocab_size, generator=torch.Generator().manual_seed(key)).clamp_(min=1e-20)
+        noise[i] = -torch.log(-torch.log(uniform))
+    return noise[[unique[key] for key in keys]].to(device)

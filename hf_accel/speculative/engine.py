@@ -47,6 +47,9 @@ position of every slot (holes: any value, they are masked).
   node's own path as context, in a batch of the original size (exact, slow: one call per node); processors known to
   ignore the context (temperature, top-k/p, ...) are applied once to all nodes.
 - Greedy mode is "argmax of the processed logits", as in `generate`; a node is accepted iff its token equals it.
+- Sampling with deterministic drafts samples each output position by Gumbel-max with noise keyed by (seed, row,
+  position) and accepts a node iff it equals that sample: lossless (acceptance probability `p(draft)`, the point-mass
+  rule's) and the text does not depend on the draft tree. With draft probabilities, rejection sampling.
 """
 
 import time
@@ -67,7 +70,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from .acceptance import greedy_accept, sample_accept_tree
+from .acceptance import greedy_accept, position_gumbel_noise, sample_accept_tree
 from .cache import select_cache_positions, select_cache_rows, validate_cache_for_speculation
 from .tree import (
     DraftTree,
@@ -260,6 +263,8 @@ class SpeculativeEngine:
         self.stopping_criteria = stopping_criteria
         self.streamer = streamer
         self.do_sample = bool(generation_config.do_sample)
+        # Sampling draws its randomness per output position from this seed (taken from torch's seeded generator)
+        self.noise_seed = int(torch.randint(2**31, ())) if self.do_sample else 0
         self.hidden_layers = tuple(getattr(drafter, "requires_hidden_states", ()) or ())
         self.stats = SpeculativeStats()
 
@@ -312,7 +317,7 @@ class SpeculativeEngine:
         )
         logits = outputs.logits[:, -1].float()
         scores = _process_scores(self.logits_processor, input_ids, logits)
-        tokens = self._pick(scores)
+        tokens = self._pick(scores, state.rows, state.next_position)
         new_tokens, finished = self._commit(state, [[t] for t in tokens.tolist()])
         hidden = {i: outputs.hidden_states[i] for i in self.hidden_layers} if self.hidden_layers else {}
         result = VerifyResult(
@@ -322,9 +327,12 @@ class SpeculativeEngine:
         self._after_pass(state, cache, result)
         return cache
 
-    def _pick(self, scores):
+    def _pick(self, scores, rows, positions):
+        """The token each of `scores` `[K, V]` picks: the argmax, or, sampling, the Gumbel-max sample keyed by the
+        token's row and position ([`position_gumbel_noise`])."""
         if self.do_sample:
-            return torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+            noise = position_gumbel_noise(self.noise_seed, rows.tolist(), positions.tolist(), scores.shape[-1])
+            return (torch.log_softmax(scores, dim=-1) + noise.to(scores.device)).argmax(-1)
         return scores.argmax(-1)
 
     # ------------------------------------------------------------------------------------------- verification pass
@@ -376,7 +384,7 @@ class SpeculativeEngine:
         scores = _process_tree_scores(
             self.logits_processor, state, tree_ids, ancestors[:, :num_nodes, :num_nodes], logits[:, :num_nodes]
         )
-        paths, bonus = self._accept(tree_ids, parent[:, :num_nodes], ancestors, node_valid, scores, tree)
+        paths, bonus = self._accept(state, tree_ids, parent[:, :num_nodes], ancestors, node_valid, scores, tree)
         new_tokens, finished = self._commit(
             state, [tree_ids[b, p[1:]].tolist() + [bonus[b]] for b, p in enumerate(paths)]
         )
@@ -398,12 +406,22 @@ class SpeculativeEngine:
         )  # fmt: skip
         self._after_pass(state, cache, result)
 
-    def _accept(self, tree_ids, parent, ancestors, node_valid, scores, tree):
-        """Accepted path (verification node indices, root first) and bonus token of every row."""
+    def _accept(self, state, tree_ids, parent, ancestors, node_valid, scores, tree):
+        """Accepted path (verification node indices, root first) and bonus token of every row.
+
+        Greedy, and sampling with deterministic drafts: each node's pick is the token the target chooses after it
+        (argmax, or the Gumbel-max sample of that output position, the same for every node at that position); a node
+        is accepted iff it equals its parent's pick, so the sampled text never depends on the tree. Sampling with
+        draft probabilities: rejection sampling ([`sample_accept_tree`]).
+        """
         num_nodes = tree_ids.shape[1]
-        if not self.do_sample:
+        if not self.do_sample or tree.draft_probs is None:
+            depths = ancestors[:, :num_nodes, :num_nodes].sum(-1) - 1  # [B, N]
+            rows = state.rows[:, None].expand_as(depths)
+            positions = state.next_position[:, None] + depths + 1  # the output position each node's pick fills
+            picks = self._pick(scores.reshape(-1, scores.shape[-1]), rows.reshape(-1), positions.reshape(-1))
             _best, path_mask, bonus = greedy_accept(
-                tree_ids, ancestors[:, :num_nodes, :num_nodes], parent, scores.argmax(-1), node_valid
+                tree_ids, ancestors[:, :num_nodes, :num_nodes], parent, picks.view(depths.shape), node_valid
             )
             return [m.nonzero().flatten().tolist() for m in path_mask], bonus.tolist()
         probs = torch.softmax(scores, dim=-1)  # [B, N, V]

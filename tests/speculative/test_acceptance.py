@@ -54,3 +54,14 @@ def test_sampling_tree_keeps_first_token_distribution():
     q = torch.stack([q_row] * 4)
     freq = _first_token_distribution(tree_ids, parent, p, q, 4000, seed=1)
     assert 0.5 * (freq - p[0]).abs().sum() < 0.04
+
+
+def test_position_gumbel_noise_is_a_function_of_seed_row_and_position():
+    from hf_accel.speculative.acceptance import position_gumbel_noise
+
+    noise = position_gumbel_noise(7, [0, 0, 1, 0], [5, 6, 5, 5], 50)
+    assert (
+        torch.equal(noise[0], noise[3]) and not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    )
+    assert torch.equal(position_gumbel_noise(7, [1], [5], 50)[0], noise[2])
+    assert not torch.equal(position_gumbel_noise(8, [0], [5], 50)[0], noise[0])

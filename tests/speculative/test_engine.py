@@ -173,6 +173,26 @@ def test_sampling_is_reproducible_with_seed(tiny_llama):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_seeded_sampled_text_does_not_depend_on_the_draft_trees(tiny_llama):
+    """Sampling draws per output position: with deterministic drafts, a seeded run gives the same text whatever the
+    drafter proposes (nothing, random trees, trees that hold the text), hence whatever the drafter learned or timed."""
+    input_ids, attention_mask = _ragged_batch(3)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 16, "do_sample": True,
+              "temperature": 0.8, "custom_generate": custom_generate}  # fmt: skip
+
+    class NoDraft:
+        def propose(self, request):
+            return None
+
+    torch.manual_seed(5)
+    reference = tiny_llama.generate(**kwargs, drafter=NoDraft())
+    for drafter in (ReferenceDrafter(reference, tree=False), ReferenceDrafter(reference, tree=True, seed=3)):
+        torch.manual_seed(5)
+        out = tiny_llama.generate(**kwargs, drafter=drafter)
+        assert torch.equal(out, reference)
+        assert out.speculative_stats.mean_accepted > 1.5  # the drafts were used
+
+
 def test_streamer_receives_exactly_the_output(tiny_llama):
     class Collect:
         def __init__(self):

@@ -20,8 +20,7 @@ Spec: `specs/000_care_infinigram.md`, Part B. One `propose` call per step and ro
    path: the spec's chain). How many are drafted is chosen per pass by [`choose_tree_width`]: the width that
    maximises expected tokens (1 + the sum of the nodes' acceptance probabilities, from an online
    [`AcceptanceCalibrator`] of the scores) per unit of pass cost ([`PassCostModel`]: issue 6's CPU costs, refined
-   by the measured time of every pass when decoding greedily; sampling keeps the configured curve, so that a seeded
-   run is reproducible). Width 0 means no draft: a plain decoding pass, which on CPU is ~30%
+   by the measured time of every pass). Width 0 means no draft: a plain decoding pass, which on CPU is ~30%
    cheaper than verifying even one draft token (issue 6's measured costs).
 
 Ambiguities (B.11) resolved here: the context fed to the lookup is prompt + response (item 3/B.6); no minimum
@@ -227,17 +226,9 @@ class InfinigramDrafter:
         self.index = index
         self.config = config or InfinigramConfig()
         self.cost_model = PassCostModel(self.config.verify_cost, adaptive=self.config.adaptive_cost)
-        self.fixed_cost_model = PassCostModel(self.config.verify_cost, adaptive=False)
         self.calibrator = AcceptanceCalibrator() if self.config.calibrate else None
-        self._call_calibrator = self.calibrator  # a sampled call's own, see `begin`
         self._proposed = {}  # original row -> (parents, scores) of the nodes proposed in the pending pass
         self.last_stats = None
-
-    def begin(self, input_ids, attention_mask, generation_config) -> None:
-        """A sampled call calibrates from scratch: what earlier calls taught the drafter would change its trees, and
-        with them the random draws of a seeded run. Greedy calls keep learning across calls."""
-        sampled = self.calibrator is not None and generation_config.do_sample
-        self._call_calibrator = AcceptanceCalibrator() if sampled else self.calibrator
 
     def propose(self, request) -> DraftTree | None:
         batch_size = len(request.rows)
@@ -248,12 +239,9 @@ class InfinigramDrafter:
             depth = int(min(cfg.max_depth, int(request.max_depth[b])))
             drafts.append(self.draft_row(context, depth, cfg.max_nodes) if depth > 0 else ([], [], []))
         probabilities = [self._calibrated(scores, parents) for _, parents, scores in drafts]
-        # Sampling sizes trees from the configured curve, not from measured times: the random draws a pass makes
-        # depend on the tree, so a tree that depended on timing would make seeded runs irreproducible
-        cost_model = self.fixed_cost_model if request.do_sample else self.cost_model
-        width = choose_tree_width(probabilities, cost_model, cfg.max_nodes)
+        width = choose_tree_width(probabilities, self.cost_model, cfg.max_nodes)
         self._proposed = {}
-        if width == 0 or cost_model.needs_anchor(batch_size):
+        if width == 0 or self.cost_model.needs_anchor(batch_size):
             return None  # no draft worth its cost, or the cost of a plain pass was never measured: measure it
         # Each row's nodes are in decreasing-score order, closed under parents: a prefix is a subtree.
         trees = [(tokens[:width], parents[:width]) for tokens, parents, _ in drafts]
@@ -262,16 +250,16 @@ class InfinigramDrafter:
         return DraftTree.from_parent_lists(trees, device=request.sequences.device)
 
     def _calibrated(self, scores: list[float], parents: list[int]) -> list[float]:
-        if self._call_calibrator is None:
+        if self.calibrator is None:
             return scores
-        return [self._call_calibrator.probability(s, d) for s, d in zip(scores, node_depths(parents))]
+        return [self.calibrator.probability(s, d) for s, d in zip(scores, node_depths(parents))]
 
     def update(self, result) -> None:
         """Learns the pass cost (engine timing) and the acceptance rate by score (accepted nodes) of each pass."""
         if result.is_prefill:
             return
         self.cost_model.observe(result.num_input_tokens, result.pass_seconds)
-        if self._call_calibrator is None:
+        if self.calibrator is None:
             return
         for b, row in enumerate(result.rows.tolist()):
             if row not in self._proposed:
@@ -281,7 +269,7 @@ class InfinigramDrafter:
             while node >= 0:  # the accepted nodes are the best node's ancestors
                 on_path.add(node)
                 node = parents[node]
-            self._call_calibrator.observe(scores, [n in on_path for n in range(len(scores))], node_depths(parents))
+            self.calibrator.observe(scores, [n in on_path for n in range(len(scores))], node_depths(parents))
 
     def draft_row(self, context: np.ndarray, depth: int, max_nodes: int) -> tuple[list[int], list[int], list[float]]:
         """`(tokens, parents, scores)` of one row's candidate nodes, by decreasing score (drafter numbering)."""
