@@ -384,7 +384,16 @@ class SpeculativeEngine:
         scores = _process_tree_scores(
             self.logits_processor, state, tree_ids, ancestors[:, :num_nodes, :num_nodes], logits[:, :num_nodes]
         )
-        paths, bonus = self._accept(state, tree_ids, parent[:, :num_nodes], ancestors, node_valid, scores, tree)
+        paths, bonus = self._accept(
+            tree_ids,
+            parent[:, :num_nodes],
+            ancestors,
+            node_valid,
+            scores,
+            tree,
+            state.rows,
+            positions[:, :num_nodes] + 1,
+        )
         new_tokens, finished = self._commit(
             state, [tree_ids[b, p[1:]].tolist() + [bonus[b]] for b, p in enumerate(paths)]
         )
@@ -406,8 +415,9 @@ class SpeculativeEngine:
         )  # fmt: skip
         self._after_pass(state, cache, result)
 
-    def _accept(self, state, tree_ids, parent, ancestors, node_valid, scores, tree):
-        """Accepted path (verification node indices, root first) and bonus token of every row.
+    def _accept(self, tree_ids, parent, ancestors, node_valid, scores, tree, rows, out_positions):
+        """Accepted path (verification node indices, root first) and bonus token of every row (original indices
+        `rows`); `out_positions` `[B, N]` is the output position each node's pick fills (its own position + 1).
 
         Greedy, and sampling with deterministic drafts: each node's pick is the token the target chooses after it
         (argmax, or the Gumbel-max sample of that output position, the same for every node at that position); a node
@@ -416,12 +426,10 @@ class SpeculativeEngine:
         """
         num_nodes = tree_ids.shape[1]
         if not self.do_sample or tree.draft_probs is None:
-            depths = ancestors[:, :num_nodes, :num_nodes].sum(-1) - 1  # [B, N]
-            rows = state.rows[:, None].expand_as(depths)
-            positions = state.next_position[:, None] + depths + 1  # the output position each node's pick fills
-            picks = self._pick(scores.reshape(-1, scores.shape[-1]), rows.reshape(-1), positions.reshape(-1))
+            rows = rows[:, None].expand_as(out_positions)
+            picks = self._pick(scores.reshape(-1, scores.shape[-1]), rows.reshape(-1), out_positions.reshape(-1))
             _best, path_mask, bonus = greedy_accept(
-                tree_ids, ancestors[:, :num_nodes, :num_nodes], parent, picks.view(depths.shape), node_valid
+                tree_ids, ancestors[:, :num_nodes, :num_nodes], parent, picks.view(out_positions.shape), node_valid
             )
             return [m.nonzero().flatten().tolist() for m in path_mask], bonus.tolist()
         probs = torch.softmax(scores, dim=-1)  # [B, N, V]

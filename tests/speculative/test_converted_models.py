@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_accel.compress.care import convert_care
-from hf_accel.speculative import DraftTree, custom_generate
+from hf_accel.speculative import custom_generate
 from hf_accel.speculative.drafters import build_drafter
 from tests.compress.care_helpers import make_tiny, tiny_calibration
+from tests.speculative.test_engine import RandomTreeDrafter
 from tests.speculative.test_engine import _ragged_batch as engine_ragged_batch
 
 
@@ -78,25 +79,8 @@ def test_random_trees_never_change_a_windowed_palu_models_greedy_output(windowed
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False}
     reference = windowed_palu.generate(**kwargs, pad_token_id=0)
 
-    class RandomTreeDrafter:  # deep trees (up to 8 nodes): verification queries far past the window's length
-        def propose(self, request):
-            trees = []
-            for b in range(len(request.rows)):
-                row, length = int(request.rows[b]), int(request.lengths[b])
-                parents = [data.draw(st.integers(-1, i - 1)) for i in range(data.draw(st.integers(0, 8)))]
-                tokens = []
-                for parent in parents:
-                    depth = 1
-                    while parent >= 0:
-                        parent, depth = parents[parent], depth + 1
-                    good = reference[row, length + depth - 1] if length + depth - 1 < reference.shape[1] else 5
-                    tokens.append(int(good) if data.draw(st.booleans()) else data.draw(st.integers(0, 96)))
-                trees.append((tokens, parents))
-            return DraftTree.from_parent_lists(trees)
-
-    out = windowed_palu.generate(
-        **kwargs, pad_token_id=0, custom_generate=custom_generate, drafter=RandomTreeDrafter()
-    )
+    drafter = RandomTreeDrafter(data, reference, max_nodes=8)  # deep trees: queries far past the window's length
+    out = windowed_palu.generate(**kwargs, pad_token_id=0, custom_generate=custom_generate, drafter=drafter)
     assert torch.equal(out, reference)
 
 

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_accel.speculative import DraftTree, assisted_generate, custom_generate
+from hf_accel.speculative.drafters.infinigram import node_depths
 from tests.conftest import make_tiny_llama
 
 
@@ -36,6 +37,26 @@ class ReferenceDrafter:
 
     def update(self, result):
         self.results.append(result)
+
+
+class RandomTreeDrafter:
+    """Hypothesis-drawn trees of up to `max_nodes` nodes per row, each node the reference's token at its depth or a
+    random one."""
+
+    def __init__(self, data, reference, max_nodes: int = 10):
+        self.data, self.reference, self.max_nodes = data, reference, max_nodes
+
+    def propose(self, request):
+        draw, trees = self.data.draw, []
+        for b in range(len(request.rows)):
+            row, length = int(request.rows[b]), int(request.lengths[b])
+            parents = [draw(st.integers(-1, i - 1)) for i in range(draw(st.integers(0, self.max_nodes)))]
+            tokens = []
+            for depth in node_depths(parents):
+                good = self.reference[row, length + depth - 1] if length + depth - 1 < self.reference.shape[1] else 5
+                tokens.append(int(good) if draw(st.booleans()) else draw(st.integers(0, 96)))
+            trees.append((tokens, parents))
+        return DraftTree.from_parent_lists(trees)
 
 
 def _ragged_batch(batch_size=4, width=9, seed=0):
@@ -94,24 +115,7 @@ def test_random_trees_never_change_greedy_output(tiny_llama, data):
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False}
     reference = tiny_llama.generate(**kwargs)
 
-    class RandomTreeDrafter:
-        def propose(self, request):
-            trees = []
-            for b in range(len(request.rows)):
-                row, length = int(request.rows[b]), int(request.lengths[b])
-                n = data.draw(st.integers(0, 10))
-                parents = [data.draw(st.integers(-1, i - 1)) for i in range(n)]
-                tokens = []
-                for i, p in enumerate(parents):
-                    depth = 1
-                    while p >= 0:
-                        p, depth = parents[p], depth + 1
-                    good = reference[row, length + depth - 1] if length + depth - 1 < reference.shape[1] else 5
-                    tokens.append(int(good) if data.draw(st.booleans()) else data.draw(st.integers(0, 96)))
-                trees.append((tokens, parents))
-            return DraftTree.from_parent_lists(trees)
-
-    out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=RandomTreeDrafter())
+    out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=RandomTreeDrafter(data, reference))
     assert torch.equal(out, reference)
 
 
