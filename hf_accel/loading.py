@@ -130,30 +130,38 @@ def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype=torch.floa
     return model.eval(), tokenizer
 
 
-def checkpoint_dtype(name_or_path) -> torch.dtype | None:
-    """The floating dtype a checkpoint's `config.json` declares, if any (a local directory, or a Hub id: the cached
-    or downloaded config). Models load in float32 for conversion and training; what they save goes back to this."""
+def _raw_config(name_or_path) -> dict:
+    """A checkpoint's `config.json` as a dict (a local directory, or a Hub id: the cached or downloaded config), `{}`
+    when there is none."""
     from transformers import PretrainedConfig
 
     try:
-        raw, _ = PretrainedConfig.get_config_dict(str(name_or_path))
+        return PretrainedConfig.get_config_dict(str(name_or_path))[0]
     except (OSError, ValueError):
-        return None
+        return {}
+
+
+def checkpoint_dtype(name_or_path) -> torch.dtype | None:
+    """The floating dtype a checkpoint's `config.json` declares, if any (a local directory or a Hub id)."""
+    raw = _raw_config(name_or_path)
     name = raw.get("dtype") or raw.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
+def to_checkpoint_dtype(model, name_or_path):
+    """`model` in the dtype the checkpoint `name_or_path` declares (models load in float32 for conversion and
+    training; what they save goes back to the source's dtype, a bfloat16 model stays bfloat16)."""
+    dtype = checkpoint_dtype(name_or_path)
+    return model.to(dtype) if dtype is not None and dtype != model.dtype else model
+
+
 def _check_no_remote_code(name: str, path: str) -> None:
     """One line instead of transformers' interactive prompt and traceback for a checkpoint that ships its own code
     (a converted CARE/Palu model) loaded without `trust_remote_code`."""
-    from transformers import PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    try:
-        raw, _ = PretrainedConfig.get_config_dict(path)
-    except (OSError, ValueError):
-        return  # from_pretrained reports it
+    raw = _raw_config(path)  # none: from_pretrained reports it
     if raw.get("auto_map") and raw.get("model_type") not in CONFIG_MAPPING:
         raise ValueError(
             f"model {name!r} ({raw.get('model_type')}) runs code shipped with the checkpoint: pass "

@@ -42,7 +42,7 @@ def _add_care(converters) -> None:
 
 
 def run_convert_care(args) -> int:
-    from ..loading import checkpoint_dtype, load_model_and_tokenizer, resolve_model
+    from ..loading import load_model_and_tokenizer, resolve_model, to_checkpoint_dtype
     from .calibration import check_calibration_source
     from .care import CareConversionConfig, run_care_conversion, save_care_model
     from .export import card_base_model, check_output_dir
@@ -56,7 +56,7 @@ def run_convert_care(args) -> int:
             f"{args.calib_samples} and {args.calib_seq_len}"
         )
     check_calibration_source(args.calib)
-    resolve_model(args.model)  # a missing local model is named first
+    source = resolve_model(args.model)  # a missing local model is named first
     base_model = card_base_model(args.base_model or args.model)
     check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)
@@ -70,9 +70,7 @@ def run_convert_care(args) -> int:
         seq_len=args.calib_seq_len,
         seed=args.seed,
     )
-    dtype = checkpoint_dtype(resolve_model(args.model))  # converted in float32, saved like the original
-    if dtype is not None and dtype != result.model.dtype:
-        result.model = result.model.to(dtype)
+    result.model = to_checkpoint_dtype(result.model, source)  # converted in float32, saved like the original
     out = save_care_model(result, tokenizer, args.out, base_model, overwrite=args.overwrite)
     summary = dict(result.summary(), model=args.model, out=str(out))
     if args.json:

@@ -696,7 +696,7 @@ def add_palu_parser(convert_commands) -> None:
 
 def _run_convert_palu(args) -> int:
     from ..cli import print_json
-    from ..loading import checkpoint_dtype, load_model_and_tokenizer, resolve_model
+    from ..loading import load_model_and_tokenizer, resolve_model, to_checkpoint_dtype
 
     # Validate everything cheap before loading the model
     conversion = PaluConversionConfig(
@@ -712,7 +712,7 @@ def _run_convert_palu(args) -> int:
         rank_multiple=args.rank_multiple,
     )
     check_calibration_source(args.calib)
-    resolve_model(args.model)  # a missing local model is named first
+    source = resolve_model(args.model)  # a missing local model is named first
     base_model = card_base_model(args.base_model or args.model)
     out = check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)
@@ -738,10 +738,8 @@ def _run_convert_palu(args) -> int:
         quant_group_size=args.quant_group_size,
         residual_length=args.residual_length,
     )
-    dtype = checkpoint_dtype(resolve_model(args.model))  # converted in float32, saved like the original
-    if dtype is not None and dtype != palu.dtype:
-        palu = palu.to(dtype)
-        info["window_bytes_per_sequence"] = window_bytes_per_sequence(palu)
+    palu = to_checkpoint_dtype(palu, source)  # converted in float32, saved like the original
+    info["window_bytes_per_sequence"] = window_bytes_per_sequence(palu)  # in the saved dtype
     save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
     summary = {
         "model": args.model,

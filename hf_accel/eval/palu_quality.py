@@ -48,8 +48,8 @@ class PaluBenchConfig:
     generated_samples: int = 0  # held-out model-generated sequences (0: skip)
     generated_seq_len: int = 256
     # Full-precision windows of recent tokens: each adds a row per quantized bit width, scored on the positions past
-    # the window (the first ones have their whole context in full precision); bytes per token are measured after a
-    # prefill of `window_bytes_context` tokens, since the window is a fixed cost per sequence.
+    # the window (the first ones have their whole context in full precision); bytes per token are measured with
+    # `window_bytes_context` tokens cached, since the window is a fixed cost per sequence.
     residual_lengths: tuple = ()
     window_bytes_context: int = 2048
     seed: int = 3
@@ -57,8 +57,8 @@ class PaluBenchConfig:
 
 
 def measure_palu_cache_bytes_per_token(model, input_ids: torch.Tensor) -> float:
-    """Bytes the model's cache holds after a prefill of `input_ids`, per cached token (batch × length), with the
-    model in bfloat16: float latents and a quantized cache's full-precision window take 2 bytes (the fp16
+    """Bytes the model's cache holds once filled with `input_ids` as `generate` fills it
+    ([`measure_cache_bytes_per_token`]), per cached token (batch × length), with the model in bfloat16: float latents and a quantized cache's full-precision window take 2 bytes (the fp16
     reference of the issue's targets); packed codes, float16 scales and zero-points do not depend on it."""
     from ..models.modeling_palu import make_palu_cache
 

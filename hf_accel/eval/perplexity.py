@@ -110,16 +110,13 @@ def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4, skip:
 @torch.no_grad()
 def decoding_perplexity(model, input_ids: torch.Tensor, skip: int = 0, batch_size: int = 16) -> float:
     """Perplexity of rows of token ids scored by teacher-forced decoding: one token per forward pass, each read back
-    from the model's own cache, as `generate` reads it.
-
-    A prefill scores every position against one state of the cache. A cache whose contents depend on when a token
-    was added (Palu's full-precision window of the most recent tokens) must be scored the way decoding reads it.
+    from the model's own cache, as `generate` reads it. A prefill ([`perplexity_on_ids`]) must give the same, cache
+    tricks included (Palu's full-precision window); the tests hold one against the other.
 
     Args:
         model (`PreTrainedModel`): a causal LM with a cache.
         input_ids (`torch.Tensor` of shape `[N, S]`): rows scored on their own (no padding).
-        skip (`int`, *optional*, defaults to 0): leave the first `skip` predictions of each row unscored (e.g. the
-            positions whose whole context is still in a full-precision window).
+        skip (`int`, *optional*, defaults to 0): leave the first `skip` predictions of each row unscored.
         batch_size (`int`, *optional*, defaults to 16): rows decoded together.
     """
     if not 0 <= skip < input_ids.shape[1] - 1:
@@ -127,23 +124,14 @@ def decoding_perplexity(model, input_ids: torch.Tensor, skip: int = 0, batch_siz
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for start in range(0, len(input_ids), batch_size):
-        nll, scored = _decoding_nll(model, input_ids[start : start + batch_size].to(device), skip)
-        total, count = total + nll, count + scored
+        rows, cache = input_ids[start : start + batch_size].to(device), None
+        for t in range(rows.shape[1] - 1):
+            out = model(input_ids=rows[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            if t >= skip:  # the prediction of token t + 1
+                total += F.cross_entropy(out.logits[:, -1].double(), rows[:, t + 1], reduction="sum").item()
+                count += len(rows)
     return math.exp(total / count)
-
-
-@torch.no_grad()
-def _decoding_nll(model, rows: torch.Tensor, skip: int = 0) -> tuple[float, int]:
-    """Summed next-token NLL of `rows` `[b, S]` decoded one token per pass through the model's cache, and the number
-    of predictions scored (all but the first `skip` of each row)."""
-    total, count, cache = 0.0, 0, None
-    for t in range(rows.shape[1] - 1):
-        out = model(input_ids=rows[:, t : t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        if t >= skip:  # the prediction of token t + 1
-            total += F.cross_entropy(out.logits[:, -1].double(), rows[:, t + 1], reduction="sum").item()
-            count += len(rows)
-    return total, count
 
 
 def read_eval_text(path: str | None = None, dataset: str | None = None, split: str = "test", column: str = "text"):

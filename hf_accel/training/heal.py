@@ -27,7 +27,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..hub import copy_remote_code
-from ..loading import checkpoint_dtype
+from ..loading import to_checkpoint_dtype
 from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
 from .losses import compute_healing_loss
 from .monitor import PerplexityCallback, TimeBudgetCallback, plot_perplexity_curve, read_history
@@ -307,9 +307,8 @@ def save_healed_model(model, tokenizer, output_dir: str | Path, source: str | Pa
     if isinstance(model, PeftModel):
         model = model.merge_and_unload()
     _check_finite(model)
-    dtype = checkpoint_dtype(source) if source is not None else None
-    if dtype is not None and dtype != model.dtype:
-        model = model.to(dtype)
+    if source is not None:
+        model = to_checkpoint_dtype(model, source)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     copy_remote_code(model, output_dir, source)
@@ -330,7 +329,7 @@ def _load_models(args: HealingArguments):
     return student.train(), teacher, tokenizer
 
 
-def _perplexity_callback(args: HealingArguments, tokenizer, teacher):
+def _perplexity_callback(args: HealingArguments, tokenizer, teacher, resume: bool):
     """The validation-perplexity callback, with the teacher's perplexity as the plot's reference line."""
     if args.validation_file is None:
         return None
@@ -339,7 +338,6 @@ def _perplexity_callback(args: HealingArguments, tokenizer, teacher):
     text = read_eval_text(path=args.validation_file)
     seq_len = args.validation_seq_len or args.train_seq_len
     history_file = Path(args.output_dir) / HISTORY_FILE
-    resume = _resume_target(args) is not None
     reference = read_history(history_file)["reference_ppl"] if resume else None  # an old run's is not this run's
     if reference is None and teacher is not None:
         reference = compute_perplexity(teacher, tokenizer, text, seq_len, args.validation_max_tokens, progress=False)
@@ -444,7 +442,7 @@ class HealingResult:
     summary: dict
 
 
-def _check_output_dir(args: HealingArguments) -> None:
+def _check_output_dir(args: HealingArguments, resume_target: str | None) -> None:
     """Refuses, before anything loads, an `--output_dir` that is a model being read, a file, or a used directory
     (unless resuming from it or `--overwrite_output_dir`): the healed checkpoint replaces files of the same names."""
     from ..compress.export import check_output_dir
@@ -455,14 +453,14 @@ def _check_output_dir(args: HealingArguments) -> None:
         source = resolve_model(name)
         if Path(source).is_dir() and Path(source).resolve() == out:
             raise ValueError(f"--output_dir {args.output_dir} is the model {name!r} itself: choose another directory")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite_output_dir and _resume_target(args) is None:
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite_output_dir and resume_target is None:
         raise ValueError(
             f"--output_dir {args.output_dir} exists and is not empty: pass --overwrite_output_dir, "
             "--resume_from_checkpoint last, or another directory"
         )
 
 
-def _build_trainer(args: HealingArguments) -> tuple[HealingTrainer, object, PerplexityCallback | None]:
+def _build_trainer(args: HealingArguments, resume: bool) -> tuple[HealingTrainer, object, PerplexityCallback | None]:
     student, teacher, tokenizer = _load_models(args)
     set_seed(args.seed)  # the Trainer seeds only after this, too late for the LoRA weights' initialisation
     model = prepare_student(student, args)
@@ -471,7 +469,7 @@ def _build_trainer(args: HealingArguments) -> tuple[HealingTrainer, object, Perp
         train_dataset = tokenize_and_pack(
             texts, tokenizer, args.train_seq_len, args.text_column, args.max_train_blocks
         )
-    callback = _perplexity_callback(args, tokenizer, teacher)
+    callback = _perplexity_callback(args, tokenizer, teacher, resume)
     callbacks = [callback] if callback is not None else []
     if args.max_train_minutes is not None:
         callbacks.append(TimeBudgetCallback(args.max_train_minutes))
@@ -513,10 +511,11 @@ def run_healing(args: HealingArguments) -> HealingResult:
     """
     from ..loading import resolve_model
 
-    _check_output_dir(args)
-    trainer, tokenizer, callback = _build_trainer(args)
+    resume_target = _resume_target(args)  # a checkpoint directory, or None
+    _check_output_dir(args, resume_target)
+    trainer, tokenizer, callback = _build_trainer(args, resume_target is not None)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    result = trainer.train(resume_from_checkpoint=_resume_target(args))
+    result = trainer.train(resume_from_checkpoint=resume_target)
     summary = {"output_dir": args.output_dir, "steps": result.global_step, "trainable_parameters": trainable}
     summary.update(train_tokens=int(trainer.state.num_input_tokens_seen), ppl=None, reference_ppl=None, plot=None)
     merged = None
