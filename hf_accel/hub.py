@@ -31,7 +31,15 @@ HUB_CARDS_DIR = next(
     Path(__file__).resolve().parents[1] / "hub_cards",
 )
 # Trainer checkpoints (optimizer states) and logs are not part of a published artifact.
-DEFAULT_IGNORE_PATTERNS = ("checkpoint-*", "checkpoint-*/*", "runs/*", "*/.cache/*", ".cache/*")
+DEFAULT_IGNORE_PATTERNS = (
+    "checkpoint-*",
+    "checkpoint-*/*",
+    "runs/*",
+    "*/.cache/*",
+    ".cache/*",
+    ".staging-*",
+    ".staging-*/*",
+)
 # Aliases of this project that stand for Hub repositories (the card's `base_model` must be a Hub id).
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 

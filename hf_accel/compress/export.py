@@ -85,6 +85,8 @@ def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
     out = check_output_dir(out_dir, overwrite=True)
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".staging-*"):  # left by a killed process (a normal exit always removes its own)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
     try:
         yield tmp

@@ -39,17 +39,16 @@ def _run_build(args) -> int:
         iter_text_file_documents,
         self_distill,
     )
+    from .drafters.index import INDEX_FILES
 
     if not (args.text or args.dataset or args.self_distill):
         raise ValueError("nothing to index: pass --text FILE..., --dataset NAME, or --self-distill PROMPTS...")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise ValueError("--max-new-tokens and --batch-size must be at least 1")
     out = check_output_dir(args.out, overwrite=True)  # a file is refused; a used index directory is rebuilt in place
-    if (
-        out.is_dir()
-        and any(out.iterdir())
-        and not any((out / n).exists() for n in ("header.json", SELF_DISTILL_CACHE))
-    ):
+    # an index's files (header.json goes first in a rebuild's swap) or a killed build's `.staging-*` leftovers
+    entries = [p.name for p in out.iterdir() if not p.name.startswith(".staging-")] if out.is_dir() else []
+    if entries and not set(entries) & {*INDEX_FILES, SELF_DISTILL_CACHE}:
         raise ValueError(f"--out {args.out} holds files that are not an index: choose an empty or an index directory")
     missing = [path for path in args.text if not Path(path).is_file()]
     if missing:

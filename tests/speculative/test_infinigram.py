@@ -1,3 +1,6 @@
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -335,3 +338,80 @@ def test_self_distill_resumes_after_a_truncated_last_line(tiny_llama, tmp_path):
     cache.write_text("not json\n")
     with pytest.raises(ValueError, match="line 1 is not a self-distillation record"):
         self_distill(tiny_llama, Tok(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)
+
+
+def test_a_killed_build_is_rebuilt_and_its_staging_dir_removed(small_index, tmp_path, capsys):
+    from hf_accel.cli import main
+
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    killed = tmp_path / "killed"
+    (killed / ".staging-abc").mkdir(parents=True)  # a build killed before its swap: nothing else in --out
+    (killed / ".staging-abc" / "tokens.u32").write_bytes(b"\0" * 8)
+    half = tmp_path / "half"
+    shutil.copytree(small_index[1].path, half)
+    (half / "header.json").unlink()  # a rebuild killed in its swap (the header goes first)
+    for out in (killed, half):
+        assert main(["index", "build", "--out", str(out), "--text", str(text)]) == 0, capsys.readouterr().err
+        assert not list(out.glob(".staging-*"))
+        assert InfinigramIndex(out).header.num_documents == 1
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda h: {**h, "added_later": 1}, None),  # unknown keys are ignored
+        (lambda h: [1], "format version"),
+        (lambda h: {k: v for k, v in h.items() if k != "vocab_size"}, "not a valid index header"),
+        (lambda h: {**h, "sa_dtype": "nonsense"}, "not a valid index header"),
+        (lambda h: {**h, "num_tokens": "12"}, "not a valid index header"),
+        (None, "not valid JSON"),
+    ],
+)
+def test_a_malformed_header_is_one_clear_error(small_index, tmp_path, edit, message):
+    path = tmp_path / "copy"
+    shutil.copytree(small_index[1].path, path)
+    header = json.loads((path / "header.json").read_text())
+    (path / "header.json").write_text("{not json" if edit is None else json.dumps(edit(header)))
+    if message is None:
+        assert InfinigramIndex(path).header.num_tokens == header["num_tokens"]
+    else:
+        with pytest.raises(ValueError, match=message):
+            InfinigramIndex(path)
+
+
+def test_a_first_table_of_another_index_is_refused(small_index, tmp_path):
+    path = tmp_path / "copy"
+    shutil.copytree(small_index[1].path, path)
+    first = np.load(path / "first.npy")
+    np.save(path / "first.npy", first.astype(np.float64))
+    with pytest.raises(ValueError, match="does not match the header"):
+        InfinigramIndex(path)
+    np.save(path / "first.npy", first[:-1].tolist() + [first[-1] + 1])
+    with pytest.raises(ValueError, match="does not match the header"):
+        InfinigramIndex(path)
+
+
+def test_text_files_are_cut_between_words(tmp_path):
+    from hf_accel.speculative.drafters.build import iter_text_file_documents
+
+    class WordTokenizer:  # one id per word piece: a cut inside a word makes two pieces
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [hash(w) % 1000 for w in text.split()]}
+
+    path = tmp_path / "a.txt"
+    path.write_text(("abcdefghij " * 7 + "\n") * 3)
+    whole = WordTokenizer()(path.read_text())["input_ids"]
+    assert next(iter_text_file_documents([path], WordTokenizer(), chunk_chars=25)) == whole
+    path.write_text("x" * 60)  # no break at all: cut at the size
+    assert len(next(iter_text_file_documents([path], WordTokenizer(), chunk_chars=25))) == 3
+
+
+def test_the_self_distillation_cache_is_per_model_weights(tiny_llama, tmp_path):
+    from hf_accel.speculative.drafters.build import model_fingerprint
+
+    before = model_fingerprint(tiny_llama)
+    assert model_fingerprint(tiny_llama) == before
+    with torch.no_grad():
+        tiny_llama.model.layers[-1].mlp.down_proj.weight.mul_(-3)
+    assert model_fingerprint(tiny_llama) != before

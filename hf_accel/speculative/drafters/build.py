@@ -6,7 +6,8 @@ prompt and chat template are not indexed: the prompt is in the context at drafti
 the benchmark renders them (`hf_accel.eval.prompts`), generation stops at EOS or `max_new_tokens` (default 256).
 
 Generation is batched (prompts sorted by length to limit padding), cached and resumable: every finished answer is
-appended to `<out>/self_distill.jsonl` keyed by prompt text, model and length cap, and a rerun skips them.
+appended to `<out>/self_distill.jsonl` keyed by prompt text, model (name and a sample of its weights, so a
+directory re-saved with another model misses) and length cap, and a rerun skips them.
 """
 
 import hashlib
@@ -27,15 +28,23 @@ SELF_DISTILL_CACHE = "self_distill.jsonl"
 def iter_text_file_documents(
     paths: Iterable[str | Path], tokenizer, chunk_chars: int = 1 << 20
 ) -> Iterator[list[int]]:
-    """Token ids of each text file (one document per file, tokenized in chunks of `chunk_chars` characters)."""
+    """Token ids of each text file (one document per file, tokenized in chunks of about `chunk_chars` characters,
+    each ending at a line break where there is one, else at a space: a cut inside a word would make tokens the
+    tokenizer never makes of the whole text)."""
     for path in paths:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"text file not found: {path}")
         text = path.read_text(encoding="utf-8", errors="replace")
-        ids = []
-        for start in range(0, len(text), chunk_chars):
-            ids += tokenizer(text[start : start + chunk_chars], add_special_tokens=False)["input_ids"]
+        ids, start = [], 0
+        while start < len(text):
+            end = start + chunk_chars
+            if end < len(text):
+                cut = text.rfind("\n", start, end)
+                cut = cut if cut > start else text.rfind(" ", start, end)
+                end = cut + 1 if cut > start else end
+            ids += tokenizer(text[start:end], add_special_tokens=False)["input_ids"]
+            start = end
         yield ids
 
 
@@ -49,6 +58,18 @@ def iter_dataset_documents(
     for text in data[text_column]:
         if text:
             yield tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def model_fingerprint(model) -> str:
+    """A short hash of a strided sample of every parameter: a different checkpoint saved under the same name (a
+    re-converted or fine-tuned directory) gets different self-distillation cache keys."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy()
+            digest.update(name.encode() + str(tuple(param.shape)).encode() + sample.tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _cache_key(model_name: str, text: str, max_new_tokens: int) -> str:
@@ -79,7 +100,8 @@ def self_distill(
     """
     cache_file = Path(out_dir) / SELF_DISTILL_CACHE
     done = _read_self_distill_cache(cache_file)
-    keys = [_cache_key(model_name, p.text, max_new_tokens) for p in prompts]
+    model_id = f"{model_name}@{model_fingerprint(model)}"
+    keys = [_cache_key(model_id, p.text, max_new_tokens) for p in prompts]
     todo = sorted({k: p for k, p in zip(keys, prompts) if k not in done}.items(), key=lambda kp: len(kp[1].text))
     extra = {}
     if use_speculation:

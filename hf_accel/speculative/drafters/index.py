@@ -20,7 +20,7 @@ continuation is `tokens[N - r : N - r + depth]`.
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +118,7 @@ def resolve_index_dir(name_or_path: str | Path) -> Path:
 
     from ...loading import looks_like_local_path
 
-    path = Path(name_or_path)
+    path = Path(name_or_path).expanduser()
     if looks_like_local_path(str(name_or_path)) or str(name_or_path).count("/") != 1:
         return path
 
@@ -145,14 +145,27 @@ class InfinigramIndex:
         header_file = self.path / "header.json"
         if not header_file.is_file():
             raise FileNotFoundError(f"not an Infinigram index (no header.json): {self.path}")
-        raw = json.loads(header_file.read_text())
-        if raw.get("format_version") != INDEX_FORMAT_VERSION:
+        rebuild = "; rebuild it with `hf-accel index build`"
+        try:
+            raw = json.loads(header_file.read_text(encoding="utf-8"))
+            version = raw.get("format_version") if isinstance(raw, dict) else None
+        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+            raise ValueError(f"index {self.path}: header.json is not valid JSON ({err}){rebuild}") from None
+        if version != INDEX_FORMAT_VERSION:
             raise ValueError(
-                f"index {self.path} has format version {raw.get('format_version')}, this hf-accel reads version "
+                f"index {self.path} has format version {version}, this hf-accel reads version "
                 f"{INDEX_FORMAT_VERSION}; rebuild it with `hf-accel index build`"
             )
-        self.header = IndexHeader(**raw)
-        rebuild = "; rebuild it with `hf-accel index build`"
+        known = {f.name for f in fields(IndexHeader)}
+        try:
+            self.header = IndexHeader(**{k: v for k, v in raw.items() if k in known})
+            if self.header.sa_dtype not in ("int32", "int64") or not all(
+                isinstance(getattr(self.header, k), int) and getattr(self.header, k) >= 0
+                for k in ("num_tokens", "num_documents", "vocab_size")
+            ):
+                raise TypeError("bad sa_dtype or counts")
+        except TypeError as err:
+            raise ValueError(f"index {self.path}: header.json is not a valid index header ({err}){rebuild}") from None
         header = self.header
         for name, itemsize in (("tokens.u32", 4), ("sa.bin", np.dtype(header.sa_dtype).itemsize)):
             path = self.path / name
@@ -167,9 +180,14 @@ class InfinigramIndex:
             self.first = np.load(self.path / "first.npy")
         except (OSError, ValueError) as err:
             raise ValueError(f"index {self.path}: first.npy cannot be read ({err}){rebuild}") from None
-        if self.first.shape != (header.vocab_size + 1,):
+        if (
+            self.first.dtype.kind not in "iu"
+            or self.first.shape != (header.vocab_size + 1,)
+            or (int(self.first[0]) != 0 or int(self.first[-1]) != header.num_tokens - header.num_documents)
+        ):
             raise ValueError(
-                f"index {self.path}: first.npy has shape {self.first.shape}, expected ({header.vocab_size + 1},){rebuild}"
+                f"index {self.path}: first.npy ({self.first.dtype}, shape {self.first.shape}) does not match the header "
+                f"(int64, shape ({header.vocab_size + 1},), ending at {header.num_tokens - header.num_documents}){rebuild}"
             )
         self.tokens = np.memmap(self.path / "tokens.u32", dtype="<u4", mode="r")
         self.suffix_array = np.memmap(self.path / "sa.bin", dtype=header.sa_dtype, mode="r")
