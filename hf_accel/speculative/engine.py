@@ -43,6 +43,9 @@ position of every slot (holes: any value, they are masked).
 
 - Finished rows are right-padded with `pad_token_id` (falling back to the first EOS id, then 0), like `generate`
   with an EOS criterion; `generate` without one keeps sampling for rows stopped by a stop string, we do not.
+- Stopping criteria are asked after each accepted token of a row, given the whole batch (other rows as they stand)
+  and read at that row's index: criteria answering per row are exact; one answering for the whole batch (a single
+  bool) stops only the row being checked, since rows reach each length at different times.
 - Logits processors that read the context (repetition penalty, min-length, ...) are applied per node with that
   node's own path as context, in a batch of the original size (exact, slow: one call per node); processors known to
   ignore the context (temperature, top-k/p, ...) are applied once to all nodes.
@@ -347,6 +350,9 @@ class SpeculativeEngine:
             raise ValueError(f"the drafter proposed {tree.input_ids.shape[0]} rows for {batch_size} active rows")
         num_nodes = tree.num_nodes + 1
         tree_ids = torch.cat([roots, tree.input_ids.to(device)], dim=1)  # [B, N]
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if tree.num_nodes and ((tree_ids < 0) | (tree_ids >= vocab)).any():
+            raise ValueError(f"the drafter proposed token ids outside the target's vocabulary [0, {vocab})")
         parent = to_verification_parents(tree.parent.to(device))
         if tree.num_aux:
             parent = torch.cat([parent, tree.aux_parent.to(device) + 1], dim=1)  # [B, N + M]
@@ -460,7 +466,7 @@ class SpeculativeEngine:
                 state.sequences[row, length] = token
                 length += 1
                 kept.append(token)
-                if self._should_stop(state.sequences[row : row + 1, :length]):
+                if self._should_stop(state.sequences[:, :length], row):
                     done = True
                     break
             done = done or length >= state.max_length
@@ -471,10 +477,11 @@ class SpeculativeEngine:
                 self.streamer.put(torch.tensor(kept))
         return new_tokens, torch.tensor(finished, dtype=torch.bool, device=state.sequences.device)
 
-    def _should_stop(self, sequence) -> bool:
+    def _should_stop(self, sequences, row: int) -> bool:
+        # full-size batch, so criteria holding per-row state (or indexing rows) see row `row` at its own index
         if not len(self.stopping_criteria):
             return False
-        return bool(self.stopping_criteria(sequence, None)[0])
+        return bool(self.stopping_criteria(sequences, None)[row])
 
     def _after_pass(self, state, cache, result: VerifyResult):
         if hasattr(self.drafter, "update"):

@@ -21,7 +21,7 @@ import time
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMode
 
 from .engine import DraftRequest, SpeculativeEngine, VerifyResult
 from .tree import DraftTree
@@ -93,6 +93,11 @@ def _validate_generation_config(generation_config, synced_gpus, batch_size):
         raise ValueError("speculative decoding does not support `synced_gpus=True`")
     if generation_config.num_beams not in (None, 1):
         raise ValueError(f"speculative decoding needs num_beams=1, got {generation_config.num_beams}")
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION):
+        raise ValueError(f"speculative decoding does greedy search or sampling, not {mode.value}; drop its arguments")
+    if generation_config.guidance_scale not in (None, 1):
+        raise ValueError("`guidance_scale` (classifier-free guidance) is not supported by speculative decoding")
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
             raise ValueError(f"`{flag}=True` is not supported by hf-accel's speculative decoding; drop it")

@@ -261,6 +261,48 @@ def test_unsupported_calls_are_refused_in_one_line(tiny_llama):
                             drafter=WrongRows(reference))  # fmt: skip
 
 
+def test_generation_modes_the_engine_cannot_run_are_refused(tiny_llama):
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
+    refused = [  # each is silently ignored or miscomputed if run as greedy search
+        ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive"),
+        ({"dola_layers": "high"}, "dola"),
+        ({"guidance_scale": 1.5}, "guidance_scale"),  # a stateful processor assuming one new token per call
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(ValueError, match=message):
+            tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate,
+                                drafter=ReferenceDrafter(reference), **kwargs)  # fmt: skip
+
+    class OutOfVocabulary(ReferenceDrafter):
+        def propose(self, request):
+            return DraftTree.from_parent_lists([([500, 6], [-1, 0])] * len(request.rows))
+
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate,
+                            drafter=OutOfVocabulary(reference))  # fmt: skip
+
+
+def test_stopping_criteria_see_the_whole_batch_and_answer_per_row(tiny_llama):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class PerRowLimit(StoppingCriteria):  # row b stops at its own length: the criterion must see every row
+        def __init__(self, limits):
+            self.limits = torch.tensor(limits)
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids.shape[-1] >= self.limits
+
+    input_ids, attention_mask = _ragged_batch(3, seed=4)
+    criteria = StoppingCriteriaList([PerRowLimit([11, 14, 17])])
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs, stopping_criteria=criteria)
+    for tree in (False, True):
+        out = tiny_llama.generate(**kwargs, stopping_criteria=criteria, custom_generate=custom_generate,
+                                  drafter=ReferenceDrafter(reference, tree=tree))  # fmt: skip
+        assert torch.equal(out, reference)
+
+
 def test_ngram_drafter_drafts_in_transformers_assisted_loop(tiny_llama):
     # the n-gram drafter measures a plain pass before drafting: the assisted loop must report pass times to it
     from hf_accel.speculative.drafters import InfinigramConfig, InfinigramDrafter
