@@ -17,6 +17,7 @@ Several processes (one teacher copy per process, on that process's device):
 
 import json
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ logger = logging.get_logger(__name__)
 
 HISTORY_FILE = "ppl_history.json"
 PLOT_FILE = "ppl_curve.png"
+SUMMARY_FILE = "healing_summary.json"
 ADAPTER_DIR = "adapter"
 
 
@@ -277,7 +279,24 @@ def prepare_student(model, args: HealingArguments):
         task_type="CAUSAL_LM",
     )
     logger.info(f"LoRA on {len(targets)} linear layers, e.g. {targets[:4]}")
+    frozen = _raw_parameters_beside(model, targets)
+    if frozen:
+        logger.warning(
+            f"LoRA adapts linear layers only: {len(frozen)} parameters held directly by those layers' modules stay as "
+            f"converted (e.g. {frozen[0]}, Palu's key up-projection); --use_lora False trains them too"
+        )
     return get_peft_model(model, config)
+
+
+def _raw_parameters_beside(model: nn.Module, targets: list[str]) -> list[str]:
+    """Names of parameters held directly (not through a submodule) by a module holding LoRA targets."""
+    parents = {name.rpartition(".")[0] for name in targets}
+    return [
+        f"{name}.{param_name}"
+        for name, module in model.named_modules()
+        if name in parents
+        for param_name, _ in module.named_parameters(recurse=False)
+    ]
 
 
 def _check_finite(model) -> None:
@@ -309,6 +328,9 @@ def save_healed_model(model, tokenizer, output_dir: str | Path, source: str | Pa
     _check_finite(model)
     if source is not None:
         model = to_checkpoint_dtype(model, source)
+    model.config.use_cache = (
+        True  # the Trainer set it to TrainingArguments.use_cache (False): a converted model caches
+    )
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     copy_remote_code(model, output_dir, source)
@@ -429,7 +451,11 @@ def _write_card(args: HealingArguments, summary: dict) -> None:
         base,
         settings=healing_settings(args, summary),
         eval_results=results,
-        description="Healed with cross-entropy plus distillation from the original model (`hf-accel train heal`).",
+        description=(
+            "Healed with cross-entropy plus distillation from the original model (`hf-accel train heal`)."
+            if args.kd_beta > 0
+            else "Healed with cross-entropy on the training text (`hf-accel train heal`)."
+        ),
     )
 
 
@@ -487,12 +513,41 @@ def _build_trainer(args: HealingArguments, resume: bool) -> tuple[HealingTrainer
     return trainer, tokenizer, callback
 
 
+def _remove_earlier_run(output_dir) -> None:
+    """Deletes what an earlier healing run wrote in `output_dir` (reached with `--overwrite_output_dir` only): its
+    checkpoints would be taken for this run's by `--resume_from_checkpoint last`, and its adapter, curve or card
+    would be published beside this run's model."""
+    out = Path(output_dir)
+    for path in [*out.glob("checkpoint-*"), out / ADAPTER_DIR, out / "runs"]:
+        if path.is_dir():
+            shutil.rmtree(path)
+    for name in (HISTORY_FILE, PLOT_FILE, SUMMARY_FILE, "README.md"):
+        (out / name).unlink(missing_ok=True)
+
+
+def _save_adapter(model, adapter_dir: Path, student: str) -> None:
+    """The LoRA adapter, naming the student's Hub id as its base (none when the student is a local directory: PEFT
+    would write the local path), without PEFT's own card (its front matter names that path too)."""
+    from ..hub import hub_base_model
+
+    model.save_pretrained(adapter_dir)
+    (adapter_dir / "README.md").unlink(missing_ok=True)
+    config_file = adapter_dir / "adapter_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    try:
+        config["base_model_name_or_path"] = hub_base_model(student)
+    except ValueError:
+        config["base_model_name_or_path"] = None
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+
+
 def run_healing(args: HealingArguments) -> HealingResult:
     """Heals `args.model_name_or_path` and saves the (merged) result to `args.output_dir`.
 
     Writes, in `args.output_dir`: the healed checkpoint (with its remote code), `adapter/` (LoRA only),
     `checkpoint-*/` (Trainer checkpoints, resumable), `ppl_history.json` and `ppl_curve.png` (with a validation
-    file), and `healing_summary.json`.
+    file), and `healing_summary.json` (the summary without local paths). A run that is not a resume first deletes
+    an earlier run's checkpoints, adapter, curve, summary and card there (`--overwrite_output_dir`).
 
     Args:
         args ([`HealingArguments`]): every option.
@@ -514,6 +569,8 @@ def run_healing(args: HealingArguments) -> HealingResult:
     resume_target = _resume_target(args)  # a checkpoint directory, or None
     _check_output_dir(args, resume_target)
     trainer, tokenizer, callback = _build_trainer(args, resume_target is not None)
+    if resume_target is None and trainer.is_world_process_zero():
+        _remove_earlier_run(args.output_dir)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result = trainer.train(resume_from_checkpoint=resume_target)
     summary = {"output_dir": args.output_dir, "steps": result.global_step, "trainable_parameters": trainable}
@@ -522,13 +579,16 @@ def run_healing(args: HealingArguments) -> HealingResult:
     if trainer.is_world_process_zero():
         trained = trainer.accelerator.unwrap_model(trainer.model)
         if args.use_lora:
-            trained.save_pretrained(Path(args.output_dir) / ADAPTER_DIR)
+            _save_adapter(trained, Path(args.output_dir) / ADAPTER_DIR, args.model_name_or_path)
         merged = save_healed_model(trained, tokenizer, args.output_dir, resolve_model(args.model_name_or_path))
         if callback is not None:
             history = callback.history
             summary.update(ppl=history["points"][-1]["ppl"], reference_ppl=history["reference_ppl"])
             summary["plot"] = str(plot_perplexity_curve(history, Path(args.output_dir) / PLOT_FILE))
         _write_card(args, summary)
-        (Path(args.output_dir) / "healing_summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        # published with the model: no local paths (the plot lies beside it)
+        written = {**summary, "plot": summary["plot"] and PLOT_FILE}
+        del written["output_dir"]
+        (Path(args.output_dir) / SUMMARY_FILE).write_text(json.dumps(written, indent=1), encoding="utf-8")
     trainer.accelerator.wait_for_everyone()
     return HealingResult(model=merged, summary=summary)

@@ -99,7 +99,12 @@ def test_lora_healing_trains_merges_and_reports(checkpoints, lora_run):
     assert [p["step"] for p in history["points"]] == [0, 2, 4]
     assert history["reference_ppl"] is not None and summary["ppl"] == history["points"][-1]["ppl"]
     assert (output_dir / "ppl_curve.png").stat().st_size > 1000
-    assert (output_dir / "adapter" / "adapter_config.json").is_file()
+    adapter_config = json.loads((output_dir / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] is None  # not the student's local path, which gets published
+    assert not (output_dir / "adapter" / "README.md").exists()  # PEFT's card names that path too
+    assert json.loads((output_dir / "config.json").read_text())["use_cache"] is True  # the Trainer had turned it off
+    written = json.loads((output_dir / "healing_summary.json").read_text())
+    assert "output_dir" not in written and written["plot"] == "ppl_curve.png" and written["steps"] == 4
     state = json.loads((output_dir / "checkpoint-4" / "trainer_state.json").read_text())
     losses = [e["loss"] for e in state["log_history"] if "loss" in e]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
@@ -362,11 +367,33 @@ def test_a_new_run_in_a_used_directory_starts_its_own_curve(checkpoints, tmp_pat
     out.mkdir()
     stale = {"reference_ppl": 999.0, "points": [{"step": 0, "tokens": 0, "ppl": 999.0}]}
     (out / "ppl_history.json").write_text(json.dumps(stale))
+    for earlier in ("checkpoint-9", "adapter"):  # an earlier LoRA run's: `last` would resume it, push would upload it
+        (out / earlier).mkdir()
+        (out / earlier / "trainer_state.json").write_text("{}")
     with pytest.raises(ValueError, match="exists and is not empty: pass --overwrite_output_dir"):
         run_healing(_args(checkpoints, out, max_steps=1))
-    run_healing(_args(checkpoints, out, max_steps=1, overwrite_output_dir=True))
+    run_healing(_args(checkpoints, out, max_steps=1, overwrite_output_dir=True, use_lora=False))
     history = json.loads((out / "ppl_history.json").read_text())
     assert history["reference_ppl"] != 999.0 and 999.0 not in [p["ppl"] for p in history["points"]]
+    assert not (out / "checkpoint-9").exists() and not (out / "adapter").exists()
+    assert (out / "checkpoint-1").is_dir()
+
+
+def test_lora_names_the_raw_attention_parameters_it_leaves_frozen():
+    from torch import nn
+
+    from hf_accel.training.heal import _raw_parameters_beside
+
+    class Attention(nn.Module):  # Palu's shape: projections plus a raw key up-projection
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_down = nn.Linear(4, 4), nn.Linear(4, 2)
+            self.k_up = nn.Parameter(torch.zeros(2, 4))
+
+    model = nn.ModuleDict({"self_attn": Attention(), "mlp": nn.Linear(4, 4)})
+    model.mlp.scale = nn.Parameter(torch.ones(1))  # beside a non-target: not reported
+    targets = resolve_lora_target_modules(model, "attention")
+    assert _raw_parameters_beside(model, targets) == ["self_attn.k_up"]
 
 
 def test_train_tokens_count_a_partial_last_batch(checkpoints, tmp_path):
