@@ -15,19 +15,14 @@ Several processes or GPUs (same options; each process holds its own teacher copy
 Resume an interrupted run with `--resume_from_checkpoint last` (or a `checkpoint-N` directory).
 """
 
-import json
+import sys
 
-from transformers import HfArgumentParser
-
-from hf_accel.training.heal import HealingArguments, run_healing
+from hf_accel.cli import main as hf_accel_main
 
 
 def main(argv=None) -> int:
-    (args,) = HfArgumentParser(HealingArguments).parse_args_into_dataclasses(args=argv)
-    result = run_healing(args)
-    if args.process_index == 0:
-        print(json.dumps(result.summary))
-    return 0
+    """`hf-accel train heal` with the same options and errors (one line on stderr, exit code 2)."""
+    return hf_accel_main(["train", "heal", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

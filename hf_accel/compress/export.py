@@ -27,17 +27,17 @@ def card_base_model(name: str) -> str:
         ) from None
 
 
-def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False, option: str = "--out") -> Path:
     """The resolved output directory, or `ValueError` if it is a file, or a non-empty directory without `overwrite`
     (the converters call it before loading the model, so that a bad `--out` fails in a second)."""
     out = Path(out_dir).expanduser().resolve()
     existing = next(p for p in (out, *out.parents) if p.exists())  # `out`, or the directory it would be made in
     if existing == out and not out.is_dir():
-        raise ValueError(f"--out {out} is an existing file, not a directory")
+        raise ValueError(f"{option} {out} is an existing file, not a directory")
     if not existing.is_dir():
-        raise ValueError(f"--out {out} cannot be created: {existing} is an existing file")
+        raise ValueError(f"{option} {out} cannot be created: {existing} is an existing file")
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another --out")
+        raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another {option}")
     return out
 
 

@@ -23,7 +23,11 @@ def _run_heal(args: argparse.Namespace) -> int:
     from ..cli import print_json
     from .heal import HealingArguments, run_healing
 
-    parser = HfArgumentParser(HealingArguments, prog="hf-accel train heal")
+    class OneLineErrors(HfArgumentParser):
+        def error(self, message):  # argparse prints the whole usage (130 lines here) before the message
+            raise ValueError(f"{message} (see `hf-accel train heal --help`)")
+
+    parser = OneLineErrors(HealingArguments, prog="hf-accel train heal")
     (healing_args,) = parser.parse_args_into_dataclasses(args=args.unknown_args)
     result = run_healing(healing_args)
     if healing_args.process_index == 0:

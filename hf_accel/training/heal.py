@@ -154,6 +154,9 @@ class HealingArguments(TrainingArguments):
             )
         if (self.dataset_name is None) == (not self.train_files):
             raise ValueError("give exactly one training source: --dataset_name or --train_files")
+        missing = [f for f in self.train_files or [] if not Path(f).is_file()]
+        if missing:  # before minutes of model loading
+            raise ValueError(f"training text file(s) not found: {', '.join(missing)}")
         if self.lora_target_modules not in ("attention", "all-linear"):
             _lora_target_patterns(self.lora_target_modules)  # a bad regular expression fails before any loading
         for name in ("lora_r", "lora_alpha", "train_seq_len", "ppl_eval_steps", "max_train_minutes"):
@@ -474,7 +477,7 @@ def _check_output_dir(args: HealingArguments, resume_target: str | None) -> None
     from ..compress.export import check_output_dir
     from ..loading import resolve_model
 
-    out = check_output_dir(args.output_dir, overwrite=True)  # a file, or a path under one, fails here
+    out = check_output_dir(args.output_dir, overwrite=True, option="--output_dir")  # a file, or a path under one
     for name in filter(None, (args.model_name_or_path, args.teacher_model_name_or_path)):
         source = resolve_model(name)
         if Path(source).is_dir() and Path(source).resolve() == out:

@@ -491,5 +491,25 @@ def test_output_dir_that_is_the_student_is_refused_before_loading(checkpoints, t
         run_healing(_args(checkpoints, checkpoints["student"], max_steps=1, overwrite_output_dir=True))
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    with pytest.raises(ValueError, match="is an existing file"):
+    with pytest.raises(ValueError, match="--output_dir .* is an existing file"):
         run_healing(_args(checkpoints, a_file, max_steps=1))
+
+
+def test_train_heal_and_its_script_report_bad_input_in_one_line(checkpoints, tmp_path, capsys):
+    import runpy
+    from pathlib import Path
+
+    from hf_accel.cli import main
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "heal.py"), run_name="heal_script")
+    common = ["--model_name_or_path", "./no-such-model", "--output_dir", str(tmp_path / "o"), "--kd_beta", "0"]
+    cases = [
+        (["--max_steps", "abc", "--train_files", "x.txt"], "invalid int value"),  # argparse's own error
+        (["--train_files", str(tmp_path / "missing.txt")], "not found"),  # before loading the (missing) model
+        ([], "exactly one training source"),
+    ]
+    for run in (lambda argv: main(["train", "heal", *argv]), script["main"]):
+        for argv, message in cases:
+            assert run(common + argv) == 2
+            err = capsys.readouterr().err.strip()
+            assert message in err and len(err.splitlines()) == 1, err
