@@ -208,7 +208,8 @@ def test_cli_train_heal_runs_the_same_pipeline(checkpoints, tmp_path, capsys):
     # Bad options are one line on stderr and exit code 2, not a traceback.
     assert main(["train", "heal", "--train_files", "x.txt"]) == 2
     assert "needs a teacher" in capsys.readouterr().err
-    assert main(["train", "heal", "--kd_beta", "0", "--train_files", "x.txt", "--no_such_option", "1"]) == 2
+    train = str(checkpoints["root"] / "train.txt")
+    assert main(["train", "heal", "--kd_beta", "0", "--train_files", train, "--no_such_option", "1"]) == 2
     assert "--no_such_option" in capsys.readouterr().err
 
 
@@ -218,10 +219,11 @@ def test_healing_settings_for_the_model_card(tmp_path):
     from hf_accel.hub import write_model_card
     from hf_accel.training.heal import healing_settings
 
+    (tmp_path / "corpus.txt").write_text("text")
     args = HealingArguments(
         output_dir=str(tmp_path),
         teacher_model_name_or_path="smollm2-135m",
-        train_files=["/data/corpus.txt"],
+        train_files=[str(tmp_path / "corpus.txt")],
         learning_rate=2e-4,
         report_to="none",
     )
