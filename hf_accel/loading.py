@@ -9,8 +9,10 @@ checkpoint, so nothing touches the network.
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -83,7 +85,8 @@ def resolve_model(name_or_path: str) -> str:
         name_or_path (`str`): `smollm2-135m`, a local directory, or a Hub id.
 
     Returns:
-        `str`: a local directory for the alias and for directories, the Hub id otherwise.
+        `str`: a local directory for the alias and for directories; for a Hub id, the id, or its cached snapshot
+        directory when the Hub cannot be reached.
     """
     if name_or_path == DEFAULT_MODEL:
         out = hf_accel_home() / "models" / DEFAULT_MODEL
@@ -94,7 +97,33 @@ def resolve_model(name_or_path: str) -> str:
         return name_or_path
     if looks_like_local_path(name_or_path):
         raise ModelNotFoundError(f"model {name_or_path!r} is not a directory, a Hub id, or `{DEFAULT_MODEL}`")
+    if hub_unreachable():
+        # transformers would retry every file for ~25 s before looking in the cache: read the cached snapshot
+        from huggingface_hub import try_to_load_from_cache
+
+        config = try_to_load_from_cache(name_or_path, "config.json")
+        if not isinstance(config, str):
+            raise ModelNotFoundError(
+                f"model {name_or_path!r} is not in the Hugging Face cache, and the Hub cannot be reached (offline)"
+            )
+        return str(Path(config).parent)
     return name_or_path
+
+
+def hub_unreachable() -> bool:
+    """Whether the Hub cannot be reached: offline mode (`HF_HUB_OFFLINE=1`), or, with no proxy configured, its host
+    name does not resolve (no network)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # the proxy resolves names
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+    except OSError:
+        return True
+    return False
 
 
 def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype=torch.float32, **kwargs):

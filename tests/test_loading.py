@@ -1,0 +1,47 @@
+import socket
+
+import pytest
+import torch
+
+from hf_accel.hub import populate_hub_cache
+from hf_accel.loading import ModelNotFoundError, hub_unreachable, load_model_and_tokenizer, resolve_model
+from tests.tiny_checkpoints import write_tiny_llama
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """No name resolves (this machine's state), offline mode off, an empty Hub cache of our own, and any HTTP request
+    an error: a model must come from the cache without one."""
+    from huggingface_hub import constants
+
+    def refuse(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path / "hub"
+
+
+def test_without_network_a_hub_id_loads_from_the_cache_or_fails_at_once(no_network, tmp_path, monkeypatch):
+    import huggingface_hub.file_download
+
+    source = write_tiny_llama(tmp_path / "source", seed=0)
+    snapshot = populate_hub_cache(source, "org/tiny", cache_dir=no_network)
+    assert hub_unreachable()
+    assert resolve_model("org/tiny") == str(snapshot)
+
+    def no_request(*args, **kwargs):
+        raise AssertionError("a Hub request was made")
+
+    monkeypatch.setattr(huggingface_hub.file_download, "get_hf_file_metadata", no_request)
+    model, _ = load_model_and_tokenizer("org/tiny")
+    reference, _ = load_model_and_tokenizer(str(source))
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache, and the Hub cannot be reached"):
+        resolve_model("org/no-such-model")  # instead of ~25 s of retries per file
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # the proxy resolves names: try the Hub
+    assert not hub_unreachable() and resolve_model("org/no-such-model") == "org/no-such-model"
