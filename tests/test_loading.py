@@ -45,3 +45,19 @@ def test_without_network_a_hub_id_loads_from_the_cache_or_fails_at_once(no_netwo
         resolve_model("org/no-such-model")  # instead of ~25 s of retries per file
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # the proxy resolves names: try the Hub
     assert not hub_unreachable() and resolve_model("org/no-such-model") == "org/no-such-model"
+
+
+def test_without_network_an_uncached_hub_dataset_fails_at_once(no_network, monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    from hf_accel.loading import load_dataset_split
+
+    def no_request(*args, **kwargs):
+        raise AssertionError("a Hub request was made")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", no_request)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with pytest.raises(ValueError, match="cannot load dataset 'org/no-such-dataset'.*OfflineModeIsEnabled"):
+        load_dataset_split("org/no-such-dataset")
+    assert datasets.config.HF_HUB_OFFLINE is False  # restored
