@@ -72,6 +72,12 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StopStringCriteria,
+)
 
 from .acceptance import greedy_accept, position_gumbel_noise, sample_accept_tree
 from .cache import select_cache_positions, select_cache_rows, validate_cache_for_speculation
@@ -246,6 +252,9 @@ def _process_tree_scores(logits_processor, state, tree_ids, ancestors, logits):
     return scores
 
 
+_ROW_WISE_CRITERIA = (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria)
+
+
 class SpeculativeEngine:
     """Runs speculative decoding for one `generate` call.
 
@@ -264,6 +273,13 @@ class SpeculativeEngine:
         self.generation_config = generation_config
         self.logits_processor = logits_processor
         self.stopping_criteria = stopping_criteria
+        # transformers' own criteria answer each row from that row alone: ask them one row at a time (a criterion of
+        # unknown kind sees the whole batch, which costs batch size times more per accepted token)
+        self._row_wise_stopping = all(type(c) in _ROW_WISE_CRITERIA for c in stopping_criteria)
+        embeddings = model.get_input_embeddings()
+        embeddings = getattr(embeddings, "base_layer", embeddings)  # PEFT's LoRA embedding wraps the original
+        weight = getattr(embeddings, "weight", None)
+        self.vocab_size = weight.shape[0] if weight is not None else None  # None: not checked
         self.streamer = streamer
         self.do_sample = bool(generation_config.do_sample)
         # Sampling draws its randomness per output position from this seed (taken from torch's seeded generator)
@@ -350,8 +366,8 @@ class SpeculativeEngine:
             raise ValueError(f"the drafter proposed {tree.input_ids.shape[0]} rows for {batch_size} active rows")
         num_nodes = tree.num_nodes + 1
         tree_ids = torch.cat([roots, tree.input_ids.to(device)], dim=1)  # [B, N]
-        vocab = self.model.get_input_embeddings().num_embeddings
-        if tree.num_nodes and ((tree_ids < 0) | (tree_ids >= vocab)).any():
+        vocab = self.vocab_size
+        if vocab is not None and tree.num_nodes and ((tree_ids < 0) | (tree_ids >= vocab)).any():
             raise ValueError(f"the drafter proposed token ids outside the target's vocabulary [0, {vocab})")
         parent = to_verification_parents(tree.parent.to(device))
         if tree.num_aux:
@@ -478,9 +494,11 @@ class SpeculativeEngine:
         return new_tokens, torch.tensor(finished, dtype=torch.bool, device=state.sequences.device)
 
     def _should_stop(self, sequences, row: int) -> bool:
-        # full-size batch, so criteria holding per-row state (or indexing rows) see row `row` at its own index
         if not len(self.stopping_criteria):
             return False
+        if self._row_wise_stopping:
+            return bool(self.stopping_criteria(sequences[row : row + 1], None)[0])
+        # full-size batch, so criteria holding per-row state (or indexing rows) see row `row` at its own index
         return bool(self.stopping_criteria(sequences, None)[row])
 
     def _after_pass(self, state, cache, result: VerifyResult):

@@ -283,6 +283,17 @@ def test_generation_modes_the_engine_cannot_run_are_refused(tiny_llama):
                             drafter=OutOfVocabulary(reference))  # fmt: skip
 
 
+def test_a_peft_model_with_lora_on_the_embeddings_keeps_greedy_identity():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_tiny_llama(seed=3), LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    input_ids, attention_mask = _ragged_batch(2, seed=1)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 8, "do_sample": False}
+    reference = model.generate(**kwargs)
+    out = model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(reference, tree=True))
+    assert torch.equal(out, reference)
+
+
 def test_stopping_criteria_see_the_whole_batch_and_answer_per_row(tiny_llama):
     from transformers import StoppingCriteria, StoppingCriteriaList
 
