@@ -68,6 +68,19 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
         raise
 
 
+def _process_alive(pid: str) -> bool:
+    """Whether the process `pid` (a string from a file name; not a number: none) is running on this machine."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 @contextmanager
 def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
     """Yields a scratch directory inside `out_dir` (created if needed); when the block succeeds, its entries replace
@@ -86,8 +99,9 @@ def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".staging-*"):  # left by a killed process (a normal exit always removes its own)
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+        if not _process_alive(stale.name.split("-")[1]):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}-", dir=out))
     try:
         yield tmp
         for name in last:

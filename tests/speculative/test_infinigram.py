@@ -1,5 +1,7 @@
 import json
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -302,21 +304,26 @@ def test_index_build_cli_errors_are_one_line_and_come_before_loading(tmp_path, c
     assert not (tmp_path / "o").exists()
 
 
+class _CharTokenizer:
+    """A left-padding character tokenizer for self-distillation on the tiny model."""
+
+    pad_token_id = 0
+
+    def __call__(self, texts, **kwargs):
+        ids = [[1 + (ord(c) % 90) for c in text] for text in texts]
+        width = max(map(len, ids))
+        rows = [[0] * (width - len(r)) + r for r in ids]
+        return {
+            "input_ids": torch.tensor(rows),
+            "attention_mask": torch.tensor([[int(t != 0) for t in r] for r in rows]),
+        }
+
+
 def test_self_distill_resumes_after_a_truncated_last_line(tiny_llama, tmp_path):
     from hf_accel.eval.prompts import BenchPrompt
     from hf_accel.speculative.drafters.build import SELF_DISTILL_CACHE, self_distill
 
-    class Tok:
-        pad_token_id = 0
-
-        def __call__(self, texts, **kwargs):
-            ids = [[1 + (ord(c) % 90) for c in text] for text in texts]
-            width = max(map(len, ids))
-            rows = [[0] * (width - len(r)) + r for r in ids]
-            return {
-                "input_ids": torch.tensor(rows),
-                "attention_mask": torch.tensor([[int(t != 0) for t in r] for r in rows]),
-            }
+    Tok = _CharTokenizer
 
     prompts = [BenchPrompt(question_id=str(i), category="t", text=t) for i, t in enumerate(["abc", "hello", "xyz!"])]
 
@@ -348,12 +355,14 @@ def test_a_killed_build_is_rebuilt_and_its_staging_dir_removed(small_index, tmp_
     killed = tmp_path / "killed"
     (killed / ".staging-abc").mkdir(parents=True)  # a build killed before its swap: nothing else in --out
     (killed / ".staging-abc" / "tokens.u32").write_bytes(b"\0" * 8)
+    live = killed / f".staging-{os.getppid()}-xyz"  # a running process's (pytest's parent): left alone
+    live.mkdir()
     half = tmp_path / "half"
     shutil.copytree(small_index[1].path, half)
     (half / "header.json").unlink()  # a rebuild killed in its swap (the header goes first)
     for out in (killed, half):
         assert main(["index", "build", "--out", str(out), "--text", str(text)]) == 0, capsys.readouterr().err
-        assert not list(out.glob(".staging-*"))
+        assert [p.name for p in out.glob(".staging-*")] == ([live.name] if out == killed else [])
         assert InfinigramIndex(out).header.num_documents == 1
 
 
@@ -392,26 +401,44 @@ def test_a_first_table_of_another_index_is_refused(small_index, tmp_path):
         InfinigramIndex(path)
 
 
-def test_text_files_are_cut_between_words(tmp_path):
+def test_text_files_are_tokenized_in_chunks_as_a_whole(tmp_path):
+    import textwrap
+
+    from hf_accel.loading import load_tokenizer
     from hf_accel.speculative.drafters.build import iter_text_file_documents
 
-    class WordTokenizer:  # one id per word piece: a cut inside a word makes two pieces
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": [hash(w) % 1000 for w in text.split()]}
-
+    tokenizer = load_tokenizer("smollm2-135m")  # byte-level BPE: spaces and indentation glue to what follows
     path = tmp_path / "a.txt"
-    path.write_text(("abcdefghij " * 7 + "\n") * 3)
-    whole = WordTokenizer()(path.read_text())["input_ids"]
-    assert next(iter_text_file_documents([path], WordTokenizer(), chunk_chars=25)) == whole
+    for text in (Path(textwrap.__file__).read_text(), "word " * 3000):
+        path.write_text(text)
+        whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for chunk_chars in (500, 2000):
+            assert next(iter_text_file_documents([path], tokenizer, chunk_chars=chunk_chars)) == whole
     path.write_text("x" * 60)  # no break at all: cut at the size
-    assert len(next(iter_text_file_documents([path], WordTokenizer(), chunk_chars=25))) == 3
+    pieces = next(iter_text_file_documents([path], tokenizer, chunk_chars=25))
+    assert tokenizer.decode(pieces) == "x" * 60
 
 
-def test_the_self_distillation_cache_is_per_model_weights(tiny_llama, tmp_path):
-    from hf_accel.speculative.drafters.build import model_fingerprint
+def test_the_self_distillation_cache_is_per_model_weights(tmp_path):
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters.build import SELF_DISTILL_CACHE, _cache_key, self_distill
+    from tests.conftest import make_tiny_llama
 
-    before = model_fingerprint(tiny_llama)
-    assert model_fingerprint(tiny_llama) == before
-    with torch.no_grad():
-        tiny_llama.model.layers[-1].mlp.down_proj.weight.mul_(-3)
-    assert model_fingerprint(tiny_llama) != before
+    prompts = [BenchPrompt(question_id=str(i), category="t", text=t) for i, t in enumerate(["abc", "hello"])]
+    cache = tmp_path / SELF_DISTILL_CACHE
+    legacy = {"key": _cache_key("m", "abc", 4), "question_id": "0", "tokens": [7, 7]}  # written before fingerprints
+    cache.write_text(json.dumps(legacy) + "\n")
+
+    def run(model):
+        return self_distill(model, _CharTokenizer(), prompts, tmp_path, max_new_tokens=4, model_name="m",
+                            use_speculation=False)  # fmt: skip
+
+    first = run(make_tiny_llama(seed=0))
+    assert first[0] == [7, 7]  # trusted
+    assert run(make_tiny_llama(seed=0)) == first  # the same weights: all cached
+    other = make_tiny_llama(seed=1)  # another model saved under the same name
+    answers = run(other)
+    assert answers == [self_distill(other, _CharTokenizer(), [p], tmp_path / "fresh", max_new_tokens=4,
+                                    use_speculation=False)[0] for p in prompts]  # fmt: skip
+    lines = cache.read_text().splitlines()
+    assert len(lines) == 2  # the old answers were replaced, not kept beside the new ones

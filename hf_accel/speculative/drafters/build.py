@@ -6,12 +6,14 @@ prompt and chat template are not indexed: the prompt is in the context at drafti
 the benchmark renders them (`hf_accel.eval.prompts`), generation stops at EOS or `max_new_tokens` (default 256).
 
 Generation is batched (prompts sorted by length to limit padding), cached and resumable: every finished answer is
-appended to `<out>/self_distill.jsonl` keyed by prompt text, model (name and a sample of its weights, so a
-directory re-saved with another model misses) and length cap, and a rerun skips them.
+appended to `<out>/self_distill.jsonl` keyed by prompt text, model name and length cap, with a fingerprint of the
+model's weights (a directory re-saved with another model regenerates its answers, which replace the old ones), and a
+rerun skips them.
 """
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -28,9 +30,11 @@ SELF_DISTILL_CACHE = "self_distill.jsonl"
 def iter_text_file_documents(
     paths: Iterable[str | Path], tokenizer, chunk_chars: int = 1 << 20
 ) -> Iterator[list[int]]:
-    """Token ids of each text file (one document per file, tokenized in chunks of about `chunk_chars` characters,
-    each ending at a line break where there is one, else at a space: a cut inside a word would make tokens the
-    tokenizer never makes of the whole text)."""
+    """Token ids of each text file (one document per file, tokenized in chunks of about `chunk_chars` characters).
+
+    A chunk ends before the whitespace run of its last line break (else of its last space): byte-level BPE tokenizers
+    glue a space to the word after it and indentation to its line break, so this cut makes the tokens of the whole
+    text; a cut inside a word would make tokens the tokenizer never makes."""
     for path in paths:
         path = Path(path)
         if not path.is_file():
@@ -42,7 +46,9 @@ def iter_text_file_documents(
             if end < len(text):
                 cut = text.rfind("\n", start, end)
                 cut = cut if cut > start else text.rfind(" ", start, end)
-                end = cut + 1 if cut > start else end
+                while cut > start and text[cut - 1].isspace():
+                    cut -= 1
+                end = cut if cut > start else end
             ids += tokenizer(text[start:end], add_special_tokens=False)["input_ids"]
             start = end
         yield ids
@@ -62,13 +68,15 @@ def iter_dataset_documents(
 
 def model_fingerprint(model) -> str:
     """A short hash of a strided sample of every parameter: a different checkpoint saved under the same name (a
-    re-converted or fine-tuned directory) gets different self-distillation cache keys."""
+    re-converted or fine-tuned directory) does not reuse cached answers. Parameters without data here (offloaded to
+    `meta`) count by name and shape only."""
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            flat = param.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy()
-            digest.update(name.encode() + str(tuple(param.shape)).encode() + sample.tobytes())
+            digest.update(name.encode() + str(tuple(param.shape)).encode())
+            if param.device.type != "meta":
+                flat = param.detach().reshape(-1)
+                digest.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -99,10 +107,15 @@ def self_distill(
             context-only n-gram drafter (same greedy output, fewer target passes).
     """
     cache_file = Path(out_dir) / SELF_DISTILL_CACHE
-    done = _read_self_distill_cache(cache_file)
-    model_id = f"{model_name}@{model_fingerprint(model)}"
-    keys = [_cache_key(model_id, p.text, max_new_tokens) for p in prompts]
+    records = _read_self_distill_cache(cache_file)
+    fingerprint = model_fingerprint(model)
+    keys = [_cache_key(model_name, p.text, max_new_tokens) for p in prompts]
+    # records written before fingerprints (no "model") are taken as this model's, and stamped so; another model's
+    # answers are regenerated and replace them
+    adopted = {k for k in keys if k in records and "model" not in records[k]}
+    done = {k: r["tokens"] for k, r in records.items() if r.get("model", fingerprint) == fingerprint}
     todo = sorted({k: p for k, p in zip(keys, prompts) if k not in done}.items(), key=lambda kp: len(kp[1].text))
+    superseded = {k for k, _ in todo if k in records}
     extra = {}
     if use_speculation:
         from ..generate import custom_generate
@@ -123,17 +136,31 @@ def self_distill(
             lines = []
             for (key, prompt), row in zip(batch, generated.tolist()):
                 done[key] = _strip_after_eos(row, eos)
-                lines.append(json.dumps({"key": key, "question_id": prompt.question_id, "tokens": done[key]}) + "\n")
+                record = {"key": key, "question_id": prompt.question_id, "model": fingerprint, "tokens": done[key]}
+                lines.append(json.dumps(record) + "\n")
             cache_file.parent.mkdir(parents=True, exist_ok=True)  # not before: a failed first batch leaves nothing
             with open(cache_file, "a") as cache:  # a whole batch per write: an interruption loses at most its tail
                 cache.write("".join(lines))
             bar.update(len(batch))
+    if superseded or adopted:  # one record per key: readers of the file (heal corpora, simulations) take every line
+        _compact_self_distill_cache(cache_file, stamp={k: fingerprint for k in adopted})
     return [done[k] for k in keys]
 
 
-def _read_self_distill_cache(cache_file: Path) -> dict[str, list[int]]:
-    """Answers already in the cache, by key. A last line cut short by an interruption is dropped from the file, so
-    that the next answer starts on a line of its own."""
+def _compact_self_distill_cache(cache_file: Path, stamp: dict[str, str]) -> None:
+    """Rewrites the cache (atomically) with the last record of each key only, the keys in `stamp` given that model
+    fingerprint."""
+    records = _read_self_distill_cache(cache_file)
+    for key, fingerprint in stamp.items():
+        records[key].setdefault("model", fingerprint)
+    tmp = cache_file.with_name(f".{cache_file.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records.values()), encoding="utf-8")
+    os.replace(tmp, cache_file)
+
+
+def _read_self_distill_cache(cache_file: Path) -> dict[str, dict]:
+    """Records already in the cache, by key (the last one of a key wins). A last line cut short by an interruption is
+    dropped from the file, so that the next answer starts on a line of its own."""
     if not cache_file.is_file():
         return {}
     data = cache_file.read_bytes()
@@ -146,8 +173,10 @@ def _read_self_distill_cache(cache_file: Path) -> dict[str, list[int]]:
         if line.strip():
             try:
                 record = json.loads(line)
-                done[record["key"]] = record["tokens"]
-            except (ValueError, KeyError, TypeError):
+                if not isinstance(record.get("tokens"), list):
+                    raise TypeError
+                done[record["key"]] = record
+            except (ValueError, KeyError, TypeError, AttributeError):
                 raise ValueError(
                     f"{cache_file} line {number} is not a self-distillation record; delete the file to start over"
                 ) from None
