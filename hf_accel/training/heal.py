@@ -518,14 +518,30 @@ def _build_trainer(args: HealingArguments, resume: bool) -> tuple[HealingTrainer
 
 def _remove_earlier_run(output_dir) -> None:
     """Deletes what an earlier healing run wrote in `output_dir` (reached with `--overwrite_output_dir` only): its
-    checkpoints would be taken for this run's by `--resume_from_checkpoint last`, and its adapter, curve or card
-    would be published beside this run's model."""
+    Trainer checkpoints (`checkpoint-N`) would be taken for this run's by `--resume_from_checkpoint last`, and its
+    adapter, curve, summary or card would be published beside this run's model. Other files stay."""
     out = Path(output_dir)
-    for path in [*out.glob("checkpoint-*"), out / ADAPTER_DIR, out / "runs"]:
+    checkpoints = [p for p in out.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
+    adapter = [out / ADAPTER_DIR] if (out / ADAPTER_DIR / "adapter_config.json").is_file() else []
+    for path in checkpoints + adapter:
         if path.is_dir():
             shutil.rmtree(path)
-    for name in (HISTORY_FILE, PLOT_FILE, SUMMARY_FILE, "README.md"):
+    for name in (HISTORY_FILE, PLOT_FILE, SUMMARY_FILE):
         (out / name).unlink(missing_ok=True)
+    if _is_our_card(out / "README.md"):
+        (out / "README.md").unlink()
+
+
+def _is_our_card(path: Path) -> bool:
+    """Whether `path` is a model card hf-accel wrote (tagged `hf-accel`), not a user's README."""
+    from huggingface_hub import ModelCard
+
+    if not path.is_file():
+        return False
+    try:
+        return "hf-accel" in (ModelCard.load(path).data.tags or [])
+    except ValueError:  # front matter that is not a card's
+        return False
 
 
 def _save_adapter(model, adapter_dir: Path, student: str) -> None:
@@ -572,7 +588,7 @@ def run_healing(args: HealingArguments) -> HealingResult:
     resume_target = _resume_target(args)  # a checkpoint directory, or None
     _check_output_dir(args, resume_target)
     trainer, tokenizer, callback = _build_trainer(args, resume_target is not None)
-    if resume_target is None and trainer.is_world_process_zero():
+    if resume_target is None and trainer.is_local_process_zero():  # each node's own disk
         _remove_earlier_run(args.output_dir)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result = trainer.train(resume_from_checkpoint=resume_target)

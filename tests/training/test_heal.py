@@ -372,6 +372,11 @@ def test_a_new_run_in_a_used_directory_starts_its_own_curve(checkpoints, tmp_pat
     for earlier in ("checkpoint-9", "adapter"):  # an earlier LoRA run's: `last` would resume it, push would upload it
         (out / earlier).mkdir()
         (out / earlier / "trainer_state.json").write_text("{}")
+    (out / "adapter" / "adapter_config.json").write_text("{}")
+    for users in ("runs/experiment/events", "checkpoint-notes/a.txt", "notes/README.md"):  # not the Trainer's: kept
+        (out / users).parent.mkdir(parents=True)
+        (out / users).write_text("mine")
+    (out / "README.md").write_text("# my project\n")
     with pytest.raises(ValueError, match="exists and is not empty: pass --overwrite_output_dir"):
         run_healing(_args(checkpoints, out, max_steps=1))
     run_healing(_args(checkpoints, out, max_steps=1, overwrite_output_dir=True, use_lora=False))
@@ -379,6 +384,8 @@ def test_a_new_run_in_a_used_directory_starts_its_own_curve(checkpoints, tmp_pat
     assert history["reference_ppl"] != 999.0 and 999.0 not in [p["ppl"] for p in history["points"]]
     assert not (out / "checkpoint-9").exists() and not (out / "adapter").exists()
     assert (out / "checkpoint-1").is_dir()
+    assert all((out / users).read_text() == "mine" for users in ("runs/experiment/events", "checkpoint-notes/a.txt"))
+    assert (out / "README.md").read_text() == "# my project\n"  # no card was written over it (local teacher)
 
 
 def test_lora_names_the_raw_attention_parameters_it_leaves_frozen():
@@ -515,3 +522,14 @@ def test_train_heal_and_its_script_report_bad_input_in_one_line(checkpoints, tmp
             assert run(common + argv) == 2
             err = capsys.readouterr().err.strip()
             assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_only_an_hf_accel_card_counts_as_an_earlier_runs_card(tmp_path):
+    from hf_accel.hub import write_model_card
+    from hf_accel.training.heal import _is_our_card
+
+    write_model_card(tmp_path / "ours", "converted-model", "smollm2-135m")
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "README.md").write_text("---\nlicense: mit\n---\n# a project\n")
+    assert _is_our_card(tmp_path / "ours" / "README.md")
+    assert not _is_our_card(tmp_path / "theirs" / "README.md") and not _is_our_card(tmp_path / "none" / "README.md")
