@@ -285,8 +285,8 @@ def prepare_student(model, args: HealingArguments):
     frozen = _raw_parameters_beside(model, targets)
     if frozen:
         logger.warning(
-            f"LoRA adapts linear layers only: {len(frozen)} parameters held directly by those layers' modules stay as "
-            f"converted (e.g. {frozen[0]}, Palu's key up-projection); --use_lora False trains them too"
+            f"LoRA adapts linear layers only: {len(frozen)} parameters held directly by those layers' modules (e.g. "
+            f"{frozen[0]}; Palu's key up-projection is one) stay as converted; --use_lora False trains them too"
         )
     return get_peft_model(model, config)
 
@@ -331,9 +331,8 @@ def save_healed_model(model, tokenizer, output_dir: str | Path, source: str | Pa
     _check_finite(model)
     if source is not None:
         model = to_checkpoint_dtype(model, source)
-    model.config.use_cache = (
-        True  # the Trainer set it to TrainingArguments.use_cache (False): a converted model caches
-    )
+    # the Trainer set it to TrainingArguments.use_cache (False); the checkpoint should cache like the converted one
+    model.config.use_cache = True
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     copy_remote_code(model, output_dir, source)
