@@ -43,9 +43,10 @@ position of every slot (holes: any value, they are masked).
 
 - Finished rows are right-padded with `pad_token_id` (falling back to the first EOS id, then 0), like `generate`
   with an EOS criterion; `generate` without one keeps sampling for rows stopped by a stop string, we do not.
-- Stopping criteria are asked after each accepted token of a row, given the whole batch (other rows as they stand)
-  and read at that row's index: criteria answering per row are exact; one answering for the whole batch (a single
-  bool) stops only the row being checked, since rows reach each length at different times.
+- Stopping criteria are asked after each accepted token of a row: transformers' own (EOS, max length and time, stop
+  strings) on that row alone; any other given the whole batch (other rows as they stand) and read at that row's
+  index, so criteria answering per row are exact, and one answering for the whole batch (a single bool) stops only
+  the row being checked, since rows reach each length at different times.
 - Logits processors that read the context (repetition penalty, min-length, ...) are applied per node with that
   node's own path as context, in a batch of the original size (exact, slow: one call per node); processors known to
   ignore the context (temperature, top-k/p, ...) are applied once to all nodes.
