@@ -99,7 +99,7 @@ def test_cli_bad_hub_id_offline_is_one_line(capsys, tmp_path):
         main(["bench", "generate", "--model", "nobody/no-such-model-xyz", "--prompts", str(tmp_path / "p.jsonl")]) == 2
     )
     err = capsys.readouterr().err.strip()
-    assert "cannot load model 'nobody/no-such-model-xyz'" in err and len(err.splitlines()) == 1
+    assert "model 'nobody/no-such-model-xyz' is not in the Hugging Face cache" in err and len(err.splitlines()) == 1
 
 
 def test_a_bad_index_fails_before_the_vanilla_run(default_model, capsys, monkeypatch):
