@@ -7,6 +7,7 @@ place at the end, so a failure never leaves a half-written output directory.
 import json
 import os
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,7 +70,8 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
 
 
 def _process_alive(pid: str) -> bool:
-    """Whether the process `pid` (a string from a file name; not a number: none) is running on this machine."""
+    """Whether the process `pid` (from a staging directory's name: `.staging-<pid>@<host>-...`; not a number: none)
+    is running on this machine."""
     if not pid.isdigit():
         return False
     try:
@@ -98,10 +100,12 @@ def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
     out = check_output_dir(out_dir, overwrite=True)
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname().replace("-", "_")  # a name field without the separator
     for stale in out.glob(".staging-*"):  # left by a killed process (a normal exit always removes its own)
-        if not _process_alive(stale.name.split("-")[1]):
+        pid, _, other_host = stale.name.removeprefix(".staging-").partition("-")[0].partition("@")
+        if other_host in ("", host) and not _process_alive(pid):  # "": an older name, with no pid
             shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}-", dir=out))
+    tmp = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}@{host}-", dir=out))
     try:
         yield tmp
         for name in last:

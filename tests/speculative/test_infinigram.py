@@ -357,12 +357,15 @@ def test_a_killed_build_is_rebuilt_and_its_staging_dir_removed(small_index, tmp_
     (killed / ".staging-abc" / "tokens.u32").write_bytes(b"\0" * 8)
     live = killed / f".staging-{os.getppid()}-xyz"  # a running process's (pytest's parent): left alone
     live.mkdir()
+    elsewhere = killed / ".staging-999999999@another_host-xyz"  # another machine's, on shared storage: left alone
+    elsewhere.mkdir()
     half = tmp_path / "half"
     shutil.copytree(small_index[1].path, half)
     (half / "header.json").unlink()  # a rebuild killed in its swap (the header goes first)
     for out in (killed, half):
         assert main(["index", "build", "--out", str(out), "--text", str(text)]) == 0, capsys.readouterr().err
-        assert [p.name for p in out.glob(".staging-*")] == ([live.name] if out == killed else [])
+        kept = sorted(p.name for p in out.glob(".staging-*"))
+        assert kept == (sorted([live.name, elsewhere.name]) if out == killed else [])
         assert InfinigramIndex(out).header.num_documents == 1
 
 
@@ -409,7 +412,8 @@ def test_text_files_are_tokenized_in_chunks_as_a_whole(tmp_path):
 
     tokenizer = load_tokenizer("smollm2-135m")  # byte-level BPE: spaces and indentation glue to what follows
     path = tmp_path / "a.txt"
-    for text in (Path(textwrap.__file__).read_text(), "word " * 3000):
+    blank_line_then_long = "Title\n\n" + "lorem ipsum dolor " * 60 + "\n"  # the last line break is in the run
+    for text in (Path(textwrap.__file__).read_text(), "word " * 3000, blank_line_then_long):
         path.write_text(text)
         whole = tokenizer(text, add_special_tokens=False)["input_ids"]
         for chunk_chars in (500, 2000):
@@ -442,3 +446,5 @@ def test_the_self_distillation_cache_is_per_model_weights(tmp_path):
                                     use_speculation=False)[0] for p in prompts]  # fmt: skip
     lines = cache.read_text().splitlines()
     assert len(lines) == 2  # the old answers were replaced, not kept beside the new ones
+    cache.write_text(lines[0] + "\n" + "\n".join(lines) + "\n")  # a run killed while replacing left a duplicate
+    assert run(other) == answers and len(cache.read_text().splitlines()) == 2

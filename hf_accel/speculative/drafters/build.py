@@ -43,12 +43,13 @@ def iter_text_file_documents(
         ids, start = [], 0
         while start < len(text):
             end = start + chunk_chars
-            if end < len(text):
-                cut = text.rfind("\n", start, end)
-                cut = cut if cut > start else text.rfind(" ", start, end)
+            for separator in ("\n", " ") if end < len(text) else ():
+                cut = text.rfind(separator, start + 1, end)
                 while cut > start and text[cut - 1].isspace():
                     cut -= 1
-                end = cut if cut > start else end
+                if cut > start:
+                    end = cut
+                    break
             ids += tokenizer(text[start:end], add_special_tokens=False)["input_ids"]
             start = end
         yield ids
@@ -107,7 +108,7 @@ def self_distill(
             context-only n-gram drafter (same greedy output, fewer target passes).
     """
     cache_file = Path(out_dir) / SELF_DISTILL_CACHE
-    records = _read_self_distill_cache(cache_file)
+    records, num_lines = _read_self_distill_cache(cache_file)
     fingerprint = model_fingerprint(model)
     keys = [_cache_key(model_name, p.text, max_new_tokens) for p in prompts]
     # records written before fingerprints (no "model") are taken as this model's, and stamped so; another model's
@@ -142,7 +143,9 @@ def self_distill(
             with open(cache_file, "a") as cache:  # a whole batch per write: an interruption loses at most its tail
                 cache.write("".join(lines))
             bar.update(len(batch))
-    if superseded or adopted:  # one record per key: readers of the file (heal corpora, simulations) take every line
+    # one record per key: readers of the file (heal corpora, simulations) take every line (duplicates are also left
+    # by a run killed while it replaced another model's answers)
+    if superseded or adopted or num_lines > len(records):
         _compact_self_distill_cache(cache_file, stamp={k: fingerprint for k in adopted})
     return [done[k] for k in keys]
 
@@ -150,7 +153,7 @@ def self_distill(
 def _compact_self_distill_cache(cache_file: Path, stamp: dict[str, str]) -> None:
     """Rewrites the cache (atomically) with the last record of each key only, the keys in `stamp` given that model
     fingerprint."""
-    records = _read_self_distill_cache(cache_file)
+    records, _ = _read_self_distill_cache(cache_file)
     for key, fingerprint in stamp.items():
         records[key].setdefault("model", fingerprint)
     tmp = cache_file.with_name(f".{cache_file.name}.tmp")
@@ -158,19 +161,20 @@ def _compact_self_distill_cache(cache_file: Path, stamp: dict[str, str]) -> None
     os.replace(tmp, cache_file)
 
 
-def _read_self_distill_cache(cache_file: Path) -> dict[str, dict]:
-    """Records already in the cache, by key (the last one of a key wins). A last line cut short by an interruption is
-    dropped from the file, so that the next answer starts on a line of its own."""
+def _read_self_distill_cache(cache_file: Path) -> tuple[dict[str, dict], int]:
+    """Records already in the cache, by key (the last one of a key wins), and the number of records read. A last line
+    cut short by an interruption is dropped from the file, so that the next answer starts on a line of its own."""
     if not cache_file.is_file():
-        return {}
+        return {}, 0
     data = cache_file.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
     if len(complete) < len(data):
         with open(cache_file, "r+b") as f:
             f.truncate(len(complete))
-    done = {}
+    done, count = {}, 0
     for number, line in enumerate(complete.decode("utf-8").splitlines(), 1):
         if line.strip():
+            count += 1
             try:
                 record = json.loads(line)
                 if not isinstance(record.get("tokens"), list):
@@ -180,7 +184,7 @@ def _read_self_distill_cache(cache_file: Path) -> dict[str, dict]:
                 raise ValueError(
                     f"{cache_file} line {number} is not a self-distillation record; delete the file to start over"
                 ) from None
-    return done
+    return done, count
 
 
 def _strip_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
