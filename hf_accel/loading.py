@@ -110,6 +110,9 @@ def resolve_model(name_or_path: str) -> str:
     return name_or_path
 
 
+_PROXIES = ("HTTPS", "HTTP", "ALL")
+
+
 def hub_unreachable() -> bool:
     """Whether the Hub cannot be reached: offline mode (`HF_HUB_OFFLINE=1`), or, with no proxy configured, its host
     name does not resolve (no network)."""
@@ -117,8 +120,8 @@ def hub_unreachable() -> bool:
 
     if constants.HF_HUB_OFFLINE:
         return True
-    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return False  # the proxy resolves names
+    if any(os.environ.get(f"{scheme}_PROXY") or os.environ.get(f"{scheme.lower()}_proxy") for scheme in _PROXIES):
+        return False  # a proxy resolves names
     try:
         socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
     except OSError:

@@ -20,8 +20,9 @@ def no_network(monkeypatch, tmp_path):
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
+    for scheme in ("HTTPS", "HTTP", "ALL"):
+        monkeypatch.delenv(f"{scheme}_PROXY", raising=False)
+        monkeypatch.delenv(f"{scheme.lower()}_proxy", raising=False)
     return tmp_path / "hub"
 
 
@@ -43,8 +44,10 @@ def test_without_network_a_hub_id_loads_from_the_cache_or_fails_at_once(no_netwo
     torch.testing.assert_close(model(ids).logits, reference(ids).logits)
     with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache, and the Hub cannot be reached"):
         resolve_model("org/no-such-model")  # instead of ~25 s of retries per file
-    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # the proxy resolves names: try the Hub
-    assert not hub_unreachable() and resolve_model("org/no-such-model") == "org/no-such-model"
+    for proxy in ("HTTPS_PROXY", "http_proxy"):  # a proxy resolves names (an http mirror goes through HTTP_PROXY)
+        monkeypatch.setenv(proxy, "http://proxy:3128")
+        assert not hub_unreachable() and resolve_model("org/no-such-model") == "org/no-such-model"
+        monkeypatch.delenv(proxy)
 
 
 def test_without_network_an_uncached_hub_dataset_fails_at_once(no_network, monkeypatch):

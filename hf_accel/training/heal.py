@@ -523,23 +523,23 @@ def _remove_earlier_run(output_dir) -> None:
     checkpoints = [p for p in out.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
     adapter = [out / ADAPTER_DIR] if (out / ADAPTER_DIR / "adapter_config.json").is_file() else []
     for path in checkpoints + adapter:
-        if path.is_dir():
-            shutil.rmtree(path)
+        shutil.rmtree(path, ignore_errors=True)
     for name in (HISTORY_FILE, PLOT_FILE, SUMMARY_FILE):
         (out / name).unlink(missing_ok=True)
     if _is_our_card(out / "README.md"):
-        (out / "README.md").unlink()
+        (out / "README.md").unlink(missing_ok=True)
 
 
 def _is_our_card(path: Path) -> bool:
     """Whether `path` is a model card hf-accel wrote (tagged `hf-accel`), not a user's README."""
+    import yaml
     from huggingface_hub import ModelCard
 
     if not path.is_file():
         return False
     try:
         return "hf-accel" in (ModelCard.load(path).data.tags or [])
-    except ValueError:  # front matter that is not a card's
+    except (ValueError, yaml.YAMLError):  # front matter that is not a card's
         return False
 
 
@@ -587,7 +587,7 @@ def run_healing(args: HealingArguments) -> HealingResult:
     resume_target = _resume_target(args)  # a checkpoint directory, or None
     _check_output_dir(args, resume_target)
     trainer, tokenizer, callback = _build_trainer(args, resume_target is not None)
-    if resume_target is None and trainer.is_local_process_zero():  # each node's own disk
+    if resume_target is None and args.should_save:  # the process that saves checkpoints (one per node if each saves)
         _remove_earlier_run(args.output_dir)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result = trainer.train(resume_from_checkpoint=resume_target)

@@ -533,3 +533,5 @@ def test_only_an_hf_accel_card_counts_as_an_earlier_runs_card(tmp_path):
     (tmp_path / "theirs" / "README.md").write_text("---\nlicense: mit\n---\n# a project\n")
     assert _is_our_card(tmp_path / "ours" / "README.md")
     assert not _is_our_card(tmp_path / "theirs" / "README.md") and not _is_our_card(tmp_path / "none" / "README.md")
+    (tmp_path / "theirs" / "README.md").write_text("---\ntags: [hf-accel\n---\n")  # not YAML
+    assert not _is_our_card(tmp_path / "theirs" / "README.md")
