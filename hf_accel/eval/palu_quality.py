@@ -262,11 +262,15 @@ def format_palu_table(report: dict) -> str:
     head = "| gs | ranks | kv-keep | WHT | bits | ppl text | ×orig |" + (" ppl generated | ×orig |" if has_gen else "")
     head += " cache B/token | ×fp16 |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    fmt = lambda r: (
-        f" {r['ppl_text']:.2f} | {r['ppl_text'] / base['ppl_text']:.3f} |"
-        + (f" {r['ppl_generated']:.2f} | {r['ppl_generated'] / base['ppl_generated']:.3f} |" if has_gen else "")
-        + f" {r['cache_bytes_per_token']:.0f} | {r['cache_bytes_per_token'] / base['cache_bytes_per_token']:.4f} |"
-    )
+
+    def fmt(r):  # a windowed row is scored past its window: ×orig against the original on those positions
+        ratio = lambda key: r[key] / r.get(f"float_base_{key}", base[key])
+        return (
+            f" {r['ppl_text']:.2f} | {ratio('ppl_text'):.3f} |"
+            + (f" {r['ppl_generated']:.2f} | {ratio('ppl_generated'):.3f} |" if has_gen else "")
+            + f" {r['cache_bytes_per_token']:.0f} | {r['cache_bytes_per_token'] / base['cache_bytes_per_token']:.4f} |"
+        )
+
     lines.append("| original | | 1.0 | | 16 |" + fmt(base))
     for r in report["rows"]:
         wht = "yes" if r["hadamard"] else "no"

@@ -41,6 +41,9 @@ def test_full_rank_palu_and_care_rows_match_the_original_under_mixed_calibration
     table = format_palu_table(report)
     assert table.count("\n| CARE | care | 1.0 |") == 1 and table.count("\n| 2 | uniform | 1.0 |") == 3
     assert "| 4 + 4 fp (float there: " in table
+    line = next(x for x in table.splitlines() if "| 4 + 4 fp (float there: " in x)
+    ratio = windowed["ppl_text"] / windowed["float_base_ppl_text"]  # against the original on the same positions
+    assert f" {windowed['ppl_text']:.2f} | {ratio:.3f} |" in line
 
 
 def test_window_settings_are_checked_before_anything_runs_and_short_texts_still_score():
