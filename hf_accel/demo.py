@@ -7,6 +7,7 @@
 """
 
 import argparse
+import hashlib
 import textwrap
 import time
 from pathlib import Path
@@ -76,12 +77,25 @@ def _speculative_rows(model, tokenizer, drafter, max_new_tokens: int) -> list[di
     return rows
 
 
-def _care_model(name: str, model, tokenizer, kv_keep: float):
-    """The CARE conversion of `model`, converted once and cached beside the default model's checkpoint."""
-    from .compress.care import CareConversionConfig, run_care_conversion, save_care_model
-    from .loading import hf_accel_home, load_model_and_tokenizer, looks_like_local_path
+def care_cache_dir(name: str, kv_keep: float) -> Path:
+    """Where the demo keeps its CARE conversion of model `name`: beside the default model's checkpoint, named by the
+    model's last path part plus, for any model but the default, a hash of where it comes from (a directory or a Hub
+    id), so another model of the same last name (an org's, a fine-tune's folder) gets its own."""
+    from .loading import DEFAULT_MODEL, hf_accel_home, looks_like_local_path
 
-    cached = hf_accel_home() / "models" / f"{Path(name).name}-care-kv{kv_keep:g}"
+    key = Path(name).name
+    if name != DEFAULT_MODEL:
+        source = str(Path(name).expanduser().resolve()) if looks_like_local_path(name) else name  # or a Hub id
+        key += "-" + hashlib.sha256(source.encode()).hexdigest()[:8]
+    return hf_accel_home() / "models" / f"{key}-care-kv{kv_keep:g}"
+
+
+def _care_model(name: str, model, tokenizer, kv_keep: float):
+    """The CARE conversion of `model`, converted once and cached ([`care_cache_dir`])."""
+    from .compress.care import CareConversionConfig, run_care_conversion, save_care_model
+    from .loading import load_model_and_tokenizer, looks_like_local_path
+
+    cached = care_cache_dir(name, kv_keep)
     if not (cached / "config.json").is_file():
         config = CareConversionConfig(kv_keep=kv_keep)
         # Calibrated on the model's own generated text (the CLI default), 32 windows of 64 tokens.

@@ -154,7 +154,10 @@ def read_eval_text(path: str | None = None, dataset: str | None = None, split: s
     else:
         from ..loading import load_dataset_split
 
-        text = "\n".join(load_dataset_split(dataset, split, column=column)[column])
+        values = [v for v in load_dataset_split(dataset, split, column=column)[column] if v is not None]
+        if not all(isinstance(v, str) for v in values):
+            raise ValueError(f"dataset {dataset!r} column {column!r} holds values that are not text")
+        text = "\n".join(values)
     if not text.strip():
         raise ValueError(f"the evaluation text from {path or dataset!r} is empty")
     return text

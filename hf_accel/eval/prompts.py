@@ -28,7 +28,11 @@ def _read_jsonl(path: Path) -> list[dict]:
     records = []
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+        try:
+            lines = f.readlines()
+        except (gzip.BadGzipFile, EOFError) as err:
+            raise ValueError(f"{path}: not a valid gzip file ({err})") from None
+        for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:

@@ -162,3 +162,28 @@ def test_bench_table_columns_fit_long_method_names():
     table = format_bench_table(result).splitlines()
     row = next(line for line in table if line.startswith(long_name) and "a-long-category-name" in line)
     assert row.split() == [long_name, "a-long-category-name", "10.0", "1.50x", "2.00", "yes"]
+
+
+def test_the_demo_keeps_one_care_conversion_per_source_model(tmp_path, monkeypatch):
+    from hf_accel.demo import care_cache_dir
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
+    for where in ("a", "b"):
+        (tmp_path / where / "smollm2-135m").mkdir(parents=True)  # two models of the default's last name
+    default = care_cache_dir("smollm2-135m", 0.5)
+    first, second = (care_cache_dir(str(tmp_path / w / "smollm2-135m"), 0.5) for w in ("a", "b"))
+    assert default.name == "smollm2-135m-care-kv0.5" and len({default, first, second}) == 3
+    monkeypatch.chdir(tmp_path / "a")  # a Hub id's directory does not depend on where the demo runs
+    hub = care_cache_dir("org/model", 0.25)
+    monkeypatch.chdir(tmp_path / "b")
+    assert care_cache_dir("org/model", 0.25) == hub and hub.name.startswith("model-")
+
+
+def test_bad_evaluation_inputs_are_one_line(tmp_path, capsys):
+    (tmp_path / "ds.jsonl").write_text('{"text": "hello world"}\n{"text": 5}\n')
+    assert main(["eval", "ppl", "--dataset", str(tmp_path / "ds.jsonl"), "--split", "train"]) == 2
+    assert "holds values that are not text" in capsys.readouterr().err
+    (tmp_path / "p.jsonl.gz").write_text('{"question_id": 1, "category": "qa", "turns": ["hi"]}\n')  # not gzip
+    assert main(["bench", "generate", "--prompts", str(tmp_path / "p.jsonl.gz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a valid gzip file" in err and len(err.splitlines()) == 1
