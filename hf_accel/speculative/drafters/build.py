@@ -114,9 +114,13 @@ def self_distill(
     # records written before fingerprints (no "model") are taken as this model's, and stamped so; another model's
     # answers are regenerated and replace them
     adopted = {k for k in keys if k in records and "model" not in records[k]}
+    for key in adopted:
+        records[key]["model"] = fingerprint
     done = {k: r["tokens"] for k, r in records.items() if r.get("model", fingerprint) == fingerprint}
     todo = sorted({k: p for k, p in zip(keys, prompts) if k not in done}.items(), key=lambda kp: len(kp[1].text))
-    superseded = {k for k, _ in todo if k in records}
+    # one record per key: readers of the file (heal corpora, simulations) take every line, so the file is rewritten
+    # when records were stamped or are replaced, or a run killed while replacing some left duplicates
+    rewrite = adopted or num_lines > len(records) or any(k in records for k, _ in todo)
     extra = {}
     if use_speculation:
         from ..generate import custom_generate
@@ -137,28 +141,22 @@ def self_distill(
             lines = []
             for (key, prompt), row in zip(batch, generated.tolist()):
                 done[key] = _strip_after_eos(row, eos)
-                record = {"key": key, "question_id": prompt.question_id, "model": fingerprint, "tokens": done[key]}
-                lines.append(json.dumps(record) + "\n")
+                records[key] = {
+                    "key": key,
+                    "question_id": prompt.question_id,
+                    "model": fingerprint,
+                    "tokens": done[key],
+                }
+                lines.append(json.dumps(records[key]) + "\n")
             cache_file.parent.mkdir(parents=True, exist_ok=True)  # not before: a failed first batch leaves nothing
             with open(cache_file, "a") as cache:  # a whole batch per write: an interruption loses at most its tail
                 cache.write("".join(lines))
             bar.update(len(batch))
-    # one record per key: readers of the file (heal corpora, simulations) take every line (duplicates are also left
-    # by a run killed while it replaced another model's answers)
-    if superseded or adopted or num_lines > len(records):
-        _compact_self_distill_cache(cache_file, stamp={k: fingerprint for k in adopted})
+    if rewrite:  # atomically: an interruption leaves the appended file as it was
+        tmp = cache_file.with_name(f".{cache_file.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records.values()), encoding="utf-8")
+        os.replace(tmp, cache_file)
     return [done[k] for k in keys]
-
-
-def _compact_self_distill_cache(cache_file: Path, stamp: dict[str, str]) -> None:
-    """Rewrites the cache (atomically) with the last record of each key only, the keys in `stamp` given that model
-    fingerprint."""
-    records, _ = _read_self_distill_cache(cache_file)
-    for key, fingerprint in stamp.items():
-        records[key].setdefault("model", fingerprint)
-    tmp = cache_file.with_name(f".{cache_file.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records.values()), encoding="utf-8")
-    os.replace(tmp, cache_file)
 
 
 def _read_self_distill_cache(cache_file: Path) -> tuple[dict[str, dict], int]:
