@@ -87,6 +87,14 @@ def hub_base_model(name_or_path: str) -> str:
     return name
 
 
+def hub_id_or_none(name_or_path: str) -> str | None:
+    """[`hub_base_model`]`(name_or_path)`, or `None` for a local path (an artifact that cannot name its base)."""
+    try:
+        return hub_base_model(name_or_path)
+    except ValueError:
+        return None
+
+
 def _eval_results(results, model_name: str):
     """`EvalResult`s from measured numbers: dicts with `metric_type`, `metric_value`, `dataset_name` (and optionally
     any other `EvalResult` field), or `EvalResult` objects."""
@@ -274,10 +282,11 @@ def _is_peft_model(model) -> bool:
     return isinstance(getattr(model, "peft_config", None), dict) and callable(getattr(model, "get_base_model", None))
 
 
-def _name_base_model_in_adapters(model, output_dir: Path, base_model: str) -> None:
+def name_base_model_in_adapters(model, output_dir: Path, base_model: str | None) -> None:
     """Writes `base_model` (a Hub id) as `base_model_name_or_path` into the `adapter_config.json` files the PEFT `model`
     saved in `output_dir`, where PEFT wrote the local directory the base was loaded from: the adapter then points
-    where the card does, and loads on another machine. The model's own configs are left as they are."""
+    where the card does, and loads on another machine (`None`: no base named, rather than a local path). The model's
+    own configs are left as they are."""
     for name in model.peft_config:
         path = output_dir / ("" if name == "default" else name) / "adapter_config.json"
         if path.is_file():
@@ -292,7 +301,7 @@ def _save_model(model, output_dir: Path, base_model: str) -> None:
     repository holds that code."""
     model.save_pretrained(output_dir)
     if _is_peft_model(model):
-        _name_base_model_in_adapters(model, output_dir, base_model)
+        name_base_model_in_adapters(model, output_dir, base_model)
     elif getattr(getattr(model, "config", None), "auto_map", None):
         copy_remote_code(model, output_dir)
 

@@ -102,11 +102,10 @@ def _run_build(args) -> int:
 def _write_card(out: str, model: str, header) -> str | None:
     """Makes the index a Hub artifact (model card, `custom_generate/` for `generate(custom_generate=<repo>)`) when
     `model` names a Hub repository; returns the card's path, or `None` for a local model directory."""
-    from ..hub import hub_base_model, save_artifact
+    from ..hub import hub_id_or_none, save_artifact
 
-    try:
-        base_model = hub_base_model(model)
-    except ValueError:
+    base_model = hub_id_or_none(model)
+    if base_model is None:
         return None
     settings = {"tokens": header.num_tokens, "documents": header.num_documents, "tokenizer": header.tokenizer_name}
     settings.update({f"source {i + 1}": source for i, source in enumerate(header.sources or [])})

@@ -435,12 +435,10 @@ def healing_settings(args: HealingArguments, summary: dict | None = None) -> dic
 def _write_card(args: HealingArguments, summary: dict) -> None:
     """A `converted-model` card for the healed checkpoint; the converter's settings and KV bytes are added by
     calling `hf_accel.hub.write_model_card` again with `settings={**conversion, **healing_settings(args)}`."""
-    from ..hub import hub_base_model, write_model_card
+    from ..hub import hub_id_or_none, write_model_card
 
     base = args.teacher_model_name_or_path or args.model_name_or_path
-    try:
-        hub_base_model(base)
-    except ValueError:
+    if hub_id_or_none(base) is None:
         logger.warning(f"no model card written: the base model {base!r} is not a Hub id (use hf_accel.hub)")
         return
     results = None
@@ -546,17 +544,11 @@ def _is_our_card(path: Path) -> bool:
 def _save_adapter(model, adapter_dir: Path, student: str) -> None:
     """The LoRA adapter, naming the student's Hub id as its base (none when the student is a local directory: PEFT
     would write the local path), without PEFT's own card (its front matter names that path too)."""
-    from ..hub import hub_base_model
+    from ..hub import hub_id_or_none, name_base_model_in_adapters
 
     model.save_pretrained(adapter_dir)
     (adapter_dir / "README.md").unlink(missing_ok=True)
-    config_file = adapter_dir / "adapter_config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    try:
-        config["base_model_name_or_path"] = hub_base_model(student)
-    except ValueError:
-        config["base_model_name_or_path"] = None
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+    name_base_model_in_adapters(model, adapter_dir, hub_id_or_none(student))
 
 
 def run_healing(args: HealingArguments) -> HealingResult:
