@@ -58,8 +58,9 @@ class PaluBenchConfig:
 
 def measure_palu_cache_bytes_per_token(model, input_ids: torch.Tensor) -> float:
     """Bytes the model's cache holds once filled with `input_ids` as `generate` fills it
-    ([`measure_cache_bytes_per_token`]), per cached token (batch × length), with the model in bfloat16: float latents and a quantized cache's full-precision window take 2 bytes (the fp16
-    reference of the issue's targets); packed codes, float16 scales and zero-points do not depend on it."""
+    ([`measure_cache_bytes_per_token`]), per cached token (batch × length), with the model in bfloat16: float latents
+    and a quantized cache's full-precision window take 2 bytes (the fp16 reference of the issue's targets); packed
+    codes, float16 scales and zero-points do not depend on it."""
     from ..models.modeling_palu import make_palu_cache
 
     measured = copy.deepcopy(model).to(torch.bfloat16)

@@ -13,7 +13,8 @@ rule is per query, by position, so a prefill scores every position as decoding w
 verification pass (many queries, a tree, a batch with masked holes) reads exactly what plain decoding reads: greedy
 output is unchanged. The Palu attention ([`key_scores`], [`attend_values`] with positions) applies it; the layer
 keeps the copies some later query may still need ([`release_window`]: about `R − 1` between decoding steps, the
-whole prompt from a prefill to the first step, since any pass may be rolled back) and their positions. The generic `update` (any model) serves the last `R` slots instead.
+whole prompt from a prefill to the first step, since any pass may be rolled back) and their positions. The
+generic `update` (any model) serves the last `R` slots instead.
 
 Rollback operations (`crop`, `select_positions`) keep the full-precision copies of the kept tokens that had one.
 """
