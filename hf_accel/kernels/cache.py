@@ -12,8 +12,8 @@ the Palu code keeps such a buffer); their codes are stored from the start, and `
 rule is per query, by position, so a prefill scores every position as decoding would, and a speculative
 verification pass (many queries, a tree, a batch with masked holes) reads exactly what plain decoding reads: greedy
 output is unchanged. The Palu attention ([`key_scores`], [`attend_values`] with positions) applies it; the layer
-keeps the copies some later query may still need ([`release_window`]: about `R − 1` between decoding steps, the
-whole prompt from a prefill to the first step, since any pass may be rolled back) and their positions. The
+keeps the copies some later query may still need ([`release_window`]: `R` between decoding steps, the whole
+prompt from a prefill to the first step, since any pass may be rolled back) and their positions. The
 generic `update` (any model) serves the last `R` slots instead.
 
 Rollback operations (`crop`, `select_positions`) keep the full-precision copies of the kept tokens that had one.
@@ -117,8 +117,9 @@ class PaluQuantizedLayer(DynamicLayer):
         """
         Drop the full-precision copies that no later query can read, after a pass.
 
-        A later query has a position above the earliest query of this pass (a verification pass may keep only its
-        root; transformers' assisted generation crops even its first pass, so a prefill is no exception).
+        A later query has a position at or above the earliest query of this pass: a verification pass may keep only
+        its root, transformers' assisted generation crops even its first pass (so a prefill is no exception), and a
+        caller may roll a whole pass back with `crop` and run its first position again.
 
         Args:
             key_positions (`torch.LongTensor` of shape `[batch, seq_len]`): the pass's positions of every slot; the
@@ -127,7 +128,7 @@ class PaluQuantizedLayer(DynamicLayer):
         """
         if self.window_length:
             queries = key_positions[:, key_positions.shape[1] - num_queries :].to(self.window_positions)
-            self._drop_unreadable(queries.amin(-1) + 1)
+            self._drop_unreadable(queries.amin(-1))
 
     def _drop_unreadable(self, lowest_query: torch.LongTensor) -> None:
         # Keep every copy from the earliest one that a query at position >= lowest_query[b] reads, in any row (masked

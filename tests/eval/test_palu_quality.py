@@ -24,11 +24,11 @@ def test_full_rank_palu_and_care_rows_match_the_original_under_mixed_calibration
     ]  # fmt: skip
     palu_float, palu_4bit, windowed, care = rows
     # The window row: decoding perplexity past the window, beside the float model's on the same positions, and
-    # bytes at 96 tokens: 4-bit codes for all of them plus a 2-byte copy of the last 3 (the next query reads them
-    # with its own token: 4 in full precision).
+    # bytes at 96 tokens: 4-bit codes for all of them plus a 2-byte copy of the last 4 (what the next query reads,
+    # or the last query again if its pass is cropped away).
     assert windowed["float_ppl_text"] != palu_float["ppl_text"] and windowed["bytes_context"] == 96
     assert windowed["float_base_ppl_text"] == pytest.approx(windowed["float_ppl_text"], rel=1e-4)  # full rank
-    window_bytes = palu_float["cache_bytes_per_token"] * 3 / 96  # float latents are measured in bfloat16 too
+    window_bytes = palu_float["cache_bytes_per_token"] * 4 / 96  # float latents are measured in bfloat16 too
     assert windowed["cache_bytes_per_token"] == pytest.approx(palu_4bit["cache_bytes_per_token"] + window_bytes)
     assert abs(windowed["ppl_text"] / windowed["float_ppl_text"] - 1) < abs(
         palu_4bit["ppl_text"] / base["ppl_text"] - 1

@@ -252,8 +252,12 @@ def test_release_window_keeps_what_later_queries_read():
     assert layer.window_positions[0].tolist() == list(range(10))
     layer.append(*_latents(5, 1), positions[:, 10:15])  # queries from 10 on: 7, 8, 9 are still read
     assert layer.window_positions[0].tolist() == list(range(7, 15))
-    layer.release_window(positions[:, :15], 5)  # a draft of 5 rooted at 10: the next query is at 11 or later
-    assert layer.window_positions[0].tolist() == list(range(8, 15))
+    layer.release_window(positions[:, :15], 5)  # a draft of 5 rooted at 10, wholly cropped or not: queries from 10 on
+    assert layer.window_positions[0].tolist() == list(range(7, 15))
+    layer.crop(11)  # the root kept: the next query is at 11
+    layer.append(*_latents(1, 2), positions[:, 11:12])
+    layer.release_window(positions[:, :12], 1)
+    assert layer.window_positions[0].tolist() == list(range(8, 12))
 
 
 def test_release_window_with_masked_holes_keeps_every_readable_copy():
@@ -261,8 +265,12 @@ def test_release_window_with_masked_holes_keeps_every_readable_copy():
     layer = PaluQuantizedLayer(bits=3, residual_length=4)
     positions = torch.tensor([[5, 6, 7, 4, 4, 8], [3, 4, 5, 6, 7, 8]])
     layer.append(*_latents(6, 0), positions)
-    layer.release_window(positions, 1)  # next query at 9: reads positions 6, 7, 8
-    assert layer.window_positions.tolist() == [[6, 7, 4, 4, 8], [4, 5, 6, 7, 8]]
+    layer.release_window(positions, 1)  # the next query at 8 (this one again, if cropped) reads 5, 6, 7, 8
+    assert layer.window_positions.tolist() == [[5, 6, 7, 4, 4, 8], [3, 4, 5, 6, 7, 8]]
+    layer.crop(5)
+    layer.append(*_latents(1, 1), torch.tensor([[9], [9]]))
+    layer.release_window(torch.tensor([[5, 6, 7, 4, 4, 9], [3, 4, 5, 6, 7, 9]]), 1)  # queries from 9 on: 6, 7, 8
+    assert layer.window_positions.tolist() == [[6, 7, 4, 4, 9], [4, 5, 6, 7, 9]]
 
 
 def test_invalid_construction():

@@ -104,6 +104,26 @@ def test_crop_continues_decoding_identically(palu):
 
 
 @torch.no_grad()
+def test_a_whole_pass_cropped_away_runs_again_identically_with_a_window(palu):
+    # Scoring candidates from one prefix: each pass is cropped away whole, so its first position is queried again and
+    # must read the same full-precision copies as the first time (it read codes for one token before the fix).
+    if not palu.config.palu_quant_bits:
+        pytest.skip("the window is part of the quantized cache")
+    prompt, step, candidate = _ids(1, 10), _ids(1, 1, seed=6), _ids(1, 3, seed=7)
+    palu.config.palu_residual_length = 4
+    try:
+        cache = make_palu_cache(palu.config)
+        palu(input_ids=prompt, past_key_values=cache)
+        palu(input_ids=step, past_key_values=cache)
+        first = palu(input_ids=candidate, past_key_values=cache).logits
+        cache.crop(-3)
+        again = palu(input_ids=candidate, past_key_values=cache).logits
+    finally:
+        palu.config.palu_residual_length = 0
+    torch.testing.assert_close(again, first, atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
 def test_select_positions_after_tree_verification(palu):
     prompt, tokens = _ids(1, 8), _ids(1, 3, seed=5)[0]
     cache = make_palu_cache(palu.config)
