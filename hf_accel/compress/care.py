@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .calibration import KvCalibration, collect_kv_calibration
-from .export import atomic_output_dir, copy_remote_code, plot_ranks, write_json
+from .export import atomic_output_dir, copy_remote_code, load_converted_state, plot_ranks, write_json
 from .factorize import asvd_scale, factorize, shrink_moment, symmetric_sqrt, whitened_factorize
 from .ranks import budget_from_kv_keep, raw_sigma_gains, relative_energy_gains, uniform_ranks, water_fill
 
@@ -119,14 +119,17 @@ def factorize_kv(
     return factors
 
 
-def _matrix_caps(factors) -> list[int]:
-    return [f.max_rank for pair in factors for f in pair]
+def _widths_and_caps(factors) -> tuple[list[int], list[int]]:
+    """Per matrix (K, V of every layer): its cache width `g·d` and its largest rank `min(hidden, g·d)`."""
+    matrices = [f for pair in factors for f in pair]
+    return [f.up.shape[1] for f in matrices], [f.max_rank for f in matrices]
 
 
 def allocate_ranks(
     factors, kv_keep: float, method: str, rank_floor_frac: float = 0.0, gains=None
 ) -> tuple[list[int], list[int]]:
-    """Per-layer `(K ranks, V ranks)` under the budget `kv_keep · Σ widths`.
+    """Per-layer `(K ranks, V ranks)` under the budget `kv_keep · Σ widths` (cache widths `g·d`; at most the sum of the
+    matrices' largest ranks, which is smaller when `g·d` exceeds the hidden size).
 
     Args:
         factors (`list[tuple[LowRankFactors, LowRankFactors]]`): per layer, the K and V factors.
@@ -137,10 +140,10 @@ def allocate_ranks(
         rank_floor_frac (`float`, *optional*, defaults to 0): minimum rank as a fraction of each matrix's width.
         gains (`list[torch.Tensor]`, *optional*): marginal gains per matrix (index `2·layer + {0: K, 1: V}`).
     """
-    caps = _matrix_caps(factors)
+    widths, caps = _widths_and_caps(factors)
     sigmas = [f.sigma for pair in factors for f in pair]
     if method in ("svd", "asvd", "care-u"):
-        ranks = uniform_ranks(caps, kv_keep)
+        ranks = uniform_ranks(widths, kv_keep, caps)
     else:
         if method == "care-e-raw":
             gains = raw_sigma_gains(sigmas)
@@ -149,7 +152,7 @@ def allocate_ranks(
         elif gains is None:
             gains = [s.double() ** 2 for s in sigmas]
         floors = [max(1, int(rank_floor_frac * c)) for c in caps]
-        ranks = water_fill(gains, budget_from_kv_keep(caps, kv_keep), caps, floors)
+        ranks = water_fill(gains, min(sum(caps), budget_from_kv_keep(widths, kv_keep)), caps, floors)
     return ranks[0::2], ranks[1::2]
 
 
@@ -246,16 +249,7 @@ def build_care_model(model, factors, k_ranks, v_ranks, absorb_value: bool = Fals
             state[prefix + "v_up.weight"] = v_up.T
             if v_bias is not None:
                 state[prefix + "v_up.bias"] = v_bias
-    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
-    _check_finite(state)
-    care_model.load_state_dict(state, strict=True)
-    return care_model.to(next(model.parameters()).device).eval()
-
-
-def _check_finite(state) -> None:
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ValueError(f"conversion produced non-finite values in {name}; try a larger --alpha")
+    return load_converted_state(care_model, state, model, "CARE")
 
 
 @dataclass

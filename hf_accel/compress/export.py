@@ -1,4 +1,5 @@
-"""Writing converted checkpoints: atomic output directories, copied remote code, rank reports and model cards.
+"""Finishing and writing converted checkpoints: loading the converted weights, atomic output directories, copied
+remote code, rank reports and model cards.
 
 Shared by the CARE and Palu converters. A checkpoint is written to a temporary sibling directory and renamed into
 place at the end, so a failure never leaves a half-written output directory.
@@ -11,6 +12,8 @@ import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -26,6 +29,25 @@ def card_base_model(name: str) -> str:
         raise ValueError(
             f"the model card needs the Hub id of the original model, not {name!r}; pass --base-model ORG/NAME"
         ) from None
+
+
+def load_converted_state(converted, state: dict, source, converter: str):
+    """Loads `state` into `converted` in the dtype of `source` (refusing non-finite values) and gives it `source`'s
+    generation config (its EOS ids and sampling defaults live there, not in `config.json`).
+
+    Returns:
+        `converted`, on `source`'s device, in eval mode.
+    """
+    import copy
+
+    dtype = next(source.parameters()).dtype
+    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{converter} conversion produced non-finite values in {name}; try a larger --alpha")
+    converted.load_state_dict(state, strict=True)
+    converted.generation_config = copy.deepcopy(source.generation_config)
+    return converted.to(next(source.parameters()).device).eval()
 
 
 def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False, option: str = "--out") -> Path:

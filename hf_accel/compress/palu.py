@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..models.configuration_palu import KERNEL_BACKENDS
 from .calibration import (
     check_calibration_source,
     collect_kv_calibration,
     load_calibration_ids,
     tokenize_calibration_text,
 )
-from .export import atomic_output_dir, card_base_model, check_output_dir
+from .export import atomic_output_dir, card_base_model, check_output_dir, load_converted_state
 from .factorize import factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
 from .ranks import water_fill
@@ -69,7 +70,9 @@ class PaluConversionConfig:
             "help": "Most recent tokens also served in full precision (quantized latents only; a fixed cost per sequence)."
         },
     )
-    kernel_backend: str = field(default="eager", metadata={"help": "'eager' or 'triton' kernels at run time."})
+    kernel_backend: str = field(
+        default="eager", metadata={"help": "'eager', 'triton' or 'auto' (triton where available) kernels at run time."}
+    )
     seed: int = field(default=3, metadata={"help": "Seed of the calibration window sampling."})
 
     def __post_init__(self):
@@ -102,6 +105,8 @@ class PaluConversionConfig:
             raise ValueError("calib_samples, fisher_samples must be ≥ 1 and calib_seq_len ≥ 2")
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
+        if self.kernel_backend not in KERNEL_BACKENDS:  # before calibration, not when the model is built
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -375,12 +380,7 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
         state[prefix + "o_proj.weight"] = fold_values_into_o_proj(
             o_weight, v_up, config.num_attention_heads, config.num_key_value_heads, head_dim
         )
-    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ValueError(f"Palu conversion produced non-finite values in {name}; try a larger alpha")
-    palu.load_state_dict(state, strict=True)
-    return palu.to(next(model.parameters()).device).eval()
+    return load_converted_state(palu, state, model, "Palu")
 
 
 def _read_calibration(model, tokenizer, calibration_text, calibration_ids, conversion):

@@ -21,10 +21,12 @@ def budget_from_kv_keep(widths: Sequence[int], kv_keep: float) -> int:
     return max(len(widths), round(kv_keep * sum(widths)))
 
 
-def uniform_ranks(caps: Sequence[int], kv_keep: float) -> list[int]:
-    """CARE-U: the same fraction `kv_keep` of every matrix's width, `max(1, round(kv_keep · cap))`."""
-    budget_from_kv_keep(caps, kv_keep)  # validates kv_keep
-    return [max(1, min(cap, round(kv_keep * cap))) for cap in caps]
+def uniform_ranks(widths: Sequence[int], kv_keep: float, caps: Sequence[int] | None = None) -> list[int]:
+    """CARE-U: the same fraction `kv_keep` of every matrix's (output) width, `max(1, round(kv_keep · width))`, at
+    most its cap (its largest rank, which is below the width when the input is narrower; default: the width)."""
+    budget_from_kv_keep(widths, kv_keep)  # validates kv_keep
+    caps = widths if caps is None else caps
+    return [max(1, min(cap, round(kv_keep * width))) for width, cap in zip(widths, caps, strict=True)]
 
 
 def water_fill(

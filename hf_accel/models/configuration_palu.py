@@ -48,6 +48,9 @@ class PaluLlamaConfig(LlamaConfig):
         _validate_palu(self)
 
 
+KERNEL_BACKENDS = ("eager", "triton", "auto")
+
+
 def _validate_palu(config) -> None:
     n_kv, s = config.num_key_value_heads, config.palu_group_size
     if not isinstance(s, int) or s < 1 or n_kv % s != 0:
@@ -60,10 +63,8 @@ def _validate_palu(config) -> None:
             raise ValueError(f"{name} must list {config.num_hidden_layers} group ranks in [1, {width}], got {ranks}")
     if config.palu_quant_bits not in (0, 2, 3, 4):
         raise ValueError(f"palu_quant_bits must be 0, 2, 3 or 4, got {config.palu_quant_bits!r}")
-    if config.palu_kernel_backend not in ("eager", "triton", "auto"):
-        raise ValueError(
-            f"palu_kernel_backend must be 'eager', 'triton' or 'auto', got {config.palu_kernel_backend!r}"
-        )
+    if config.palu_kernel_backend not in KERNEL_BACKENDS:
+        raise ValueError(f"palu_kernel_backend must be one of {KERNEL_BACKENDS}, got {config.palu_kernel_backend!r}")
 
 
 __all__ = ["PaluLlamaConfig"]

@@ -222,3 +222,35 @@ def test_conversion_of_a_model_on_a_gpu_matches_the_cpu_one(method):
     ids = torch.randint(3, model.config.vocab_size, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(gpu(ids.cuda()).logits.cpu(), cpu(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_converted_models_keep_the_source_generation_config(tmp_path):
+    # EOS ids and sampling defaults of instruct models live in generation_config.json, not config.json
+    from transformers import GenerationConfig
+
+    from hf_accel.compress.palu import convert_palu, save_palu
+
+    settings = {"eos_token_id": [2, 5], "do_sample": True, "temperature": 0.6, "top_p": 0.9, "pad_token_id": 0}
+    model = make_tiny("llama")
+    model.generation_config = GenerationConfig(**settings)
+    care = run_care_conversion(model, None, CareConversionConfig(kv_keep=0.5, method="svd"), None, False)
+    ids = torch.randint(3, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    palu, info = convert_palu(model, None, kv_keep=0.5, ranks="uniform", calibration_ids=ids, progress=False)
+    for converted in (care.model, palu):
+        assert {k: getattr(converted.generation_config, k) for k in settings} == settings
+    save_care_model(care, None, tmp_path / "care", "org/tiny")
+    save_palu(palu, None, tmp_path / "palu", info, "org/tiny")
+    for name in ("care", "palu"):
+        saved = GenerationConfig.from_pretrained(tmp_path / name)
+        assert {k: getattr(saved, k) for k in settings} == settings
+
+
+@pytest.mark.parametrize("method", ["care", "care-u"])
+def test_kv_keep_is_a_fraction_of_the_cache_width_when_it_exceeds_the_hidden_size(method):
+    # K/V width 4 heads × 16 = 64 against a hidden size of 32: a matrix's rank is at most 32, yet kv_keep 0.5 keeps
+    # half of the 64-wide cache (it kept half of 32 before: a quarter of the cache)
+    model = make_tiny("llama", head_dim=16, num_key_value_heads=4)
+    config = CareConversionConfig(kv_keep=0.5, method=method)
+    result = run_care_conversion(model, None, config, tiny_calibration(model), False)
+    assert result.summary()["achieved_kv_keep"] == 0.5
+    assert kv_cache_bytes_per_token(result.model) == kv_cache_bytes_per_token(model) // 2

@@ -174,6 +174,8 @@ def test_bad_inputs_raise_clear_errors(model, tokenizer):
         convert_palu(model, tokenizer, residual_length=16, calibration_text=CALIB_TEXT)
     with pytest.raises(ValueError, match="residual_length must be a non-negative integer"):
         convert_palu(model, tokenizer, quant_bits=3, residual_length=-1, calibration_text=CALIB_TEXT)
+    with pytest.raises(ValueError, match="kernel_backend must be one of"):  # before anything else: no calibration
+        convert_palu(model, tokenizer, kernel_backend="trtion")
 
 
 def test_default_group_size_divides_the_kv_heads(model, tokenizer):
