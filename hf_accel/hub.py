@@ -159,7 +159,7 @@ def write_model_card(
         settings (`dict`, *optional*): conversion/training settings, rendered as a table (and kept verbatim).
         eval_results (`list`, *optional*): measured numbers, as dicts (`metric_type`, `metric_value`,
             `dataset_name`, ...) or `huggingface_hub.EvalResult`s; they go into the metadata and a table.
-        kv_bytes_per_token (`float`, *optional*): measured KV-cache bytes per token of this model.
+        kv_bytes_per_token (`float`, *optional*): KV-cache bytes per token of this model, with 16-bit floats.
         base_kv_bytes_per_token (`float`, *optional*): the same for the base model (the card shows the ratio).
         ranks_plot (`str` or `Path`, *optional*): an image of the per-layer ranks; copied in if elsewhere. Without it,
             a `ranks*.png` in `output_dir` is used if present. A `ppl_curve.png` (healing) is linked when present.
