@@ -119,11 +119,17 @@ def _compression_rows(name, model, tokenizer, kv_keep: float) -> tuple[list[dict
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .loading import DEFAULT_MODEL, load_model_and_tokenizer
+    from .loading import DEFAULT_MODEL, load_model_and_tokenizer, remote_code_model_type, resolve_model
     from .speculative.drafters import build_drafter
 
     if not 0 < args.kv_keep <= 1:
         raise ValueError(f"--kv-keep must be in (0, 1], got {args.kv_keep}")
+    model_type = remote_code_model_type(resolve_model(args.model))
+    if model_type:
+        raise ValueError(
+            f"the demo runs plain transformers models; {args.model!r} is a converted checkpoint ({model_type}): try "
+            "`hf-accel bench generate --trust-remote-code` or `hf-accel eval ppl --trust-remote-code`"
+        )
     model, tokenizer = load_model_and_tokenizer(args.model)
     index = str(_SHIPPED_INDEX) if args.model == DEFAULT_MODEL else None  # the shipped index is the default's
     drafter = build_drafter("ngram", index, model, tokenizer)

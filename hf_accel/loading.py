@@ -94,6 +94,8 @@ def resolve_model(name_or_path: str) -> str:
             _convert_gguf(_gguf_path(), out)
         return str(out)
     if os.path.isdir(name_or_path):
+        if not any(os.path.isfile(os.path.join(name_or_path, f)) for f in ("config.json", "adapter_config.json")):
+            raise ModelNotFoundError(f"model directory {name_or_path!r} holds no config.json: it is not a saved model")
         return name_or_path
     if looks_like_local_path(name_or_path):
         raise ModelNotFoundError(f"model {name_or_path!r} is not a directory, a Hub id, or `{DEFAULT_MODEL}`")
@@ -188,15 +190,23 @@ def to_checkpoint_dtype(model, name_or_path):
     return model.to(dtype) if dtype is not None and dtype != model.dtype else model
 
 
-def _check_no_remote_code(name: str, path: str) -> None:
-    """One line instead of transformers' interactive prompt and traceback for a checkpoint that ships its own code
-    (a converted CARE/Palu model) loaded without `trust_remote_code`."""
+def remote_code_model_type(path) -> str | None:
+    """The `model_type` of a checkpoint that ships its own modeling code (a converted CARE/Palu model), else `None`."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     raw = _raw_config(path)  # none: from_pretrained reports it
     if raw.get("auto_map") and raw.get("model_type") not in CONFIG_MAPPING:
+        return str(raw.get("model_type"))
+    return None
+
+
+def _check_no_remote_code(name: str, path: str) -> None:
+    """One line instead of transformers' interactive prompt and traceback for a checkpoint that ships its own code
+    loaded without `trust_remote_code`."""
+    model_type = remote_code_model_type(path)
+    if model_type:
         raise ValueError(
-            f"model {name!r} ({raw.get('model_type')}) runs code shipped with the checkpoint: pass "
+            f"model {name!r} ({model_type}) runs code shipped with the checkpoint: pass "
             "--trust-remote-code (`--trust_remote_code` for train heal; trust_remote_code=True in Python)"
         )
 

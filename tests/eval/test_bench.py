@@ -150,6 +150,24 @@ def test_a_remote_code_checkpoint_without_trust_remote_code_is_one_line(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pass --trust-remote-code" in err[0], err
     assert main(["eval", "ppl", "--model", str(model_dir), "--text", str(text), "--trust-remote-code", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--model", str(model_dir)]) == 2  # no --trust-remote-code there: no advice to pass it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the demo runs plain transformers models" in err[0], err
+
+
+def test_a_full_disk_is_one_line(monkeypatch, capsys):
+    import errno
+
+    import hf_accel.eval.cli
+
+    def full_disk(args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf_accel.eval.cli, "_run_ppl", full_disk)
+    assert main(["eval", "ppl", "--text", "x.txt"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hf-accel eval: error: [Errno 28] No space left on device"]
 
 
 def test_bench_table_columns_fit_long_method_names():
