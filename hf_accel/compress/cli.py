@@ -36,7 +36,7 @@ def _add_care(converters) -> None:
     care.add_argument("--seed", type=int, default=0)
     care.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
     care.add_argument("--out", required=True, help="output directory (written atomically)")
-    care.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    care.add_argument("--overwrite", action="store_true", help="replace an earlier checkpoint in --out")
     care.add_argument("--json", action="store_true", help="print one JSON summary object")
     care.set_defaults(func=run_convert_care)
 
@@ -45,7 +45,7 @@ def run_convert_care(args) -> int:
     from ..loading import load_model_and_tokenizer, resolve_model, to_checkpoint_dtype
     from .calibration import check_calibration_source
     from .care import CareConversionConfig, run_care_conversion, save_care_model
-    from .export import card_base_model, check_output_dir
+    from .export import card_base_model, check_output_dir, check_source_model
 
     config = CareConversionConfig(
         kv_keep=args.kv_keep, method=args.method, alpha=args.alpha, absorb_value=args.absorb_value
@@ -57,6 +57,7 @@ def run_convert_care(args) -> int:
         )
     check_calibration_source(args.calib)
     source = resolve_model(args.model)  # a missing local model is named first
+    check_source_model(args.model, source)
     base_model = card_base_model(args.base_model or args.model)
     check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)

@@ -31,6 +31,17 @@ def card_base_model(name: str) -> str:
         ) from None
 
 
+def check_source_model(name: str, path: str) -> None:
+    """Refuses, in one line, to convert a checkpoint that is already converted (it ships its own modeling code)."""
+    from ..loading import remote_code_model_type
+
+    model_type = remote_code_model_type(path)
+    if model_type:
+        raise ValueError(
+            f"model {name!r} is already a converted checkpoint ({model_type}): convert the original model"
+        )
+
+
 def load_converted_state(converted, state: dict, source, converter: str):
     """Loads `state` into `converted` in the dtype of `source` (refusing non-finite values) and gives it `source`'s
     generation config (its EOS ids and sampling defaults live there, not in `config.json`).
@@ -50,17 +61,31 @@ def load_converted_state(converted, state: dict, source, converter: str):
     return converted.to(next(source.parameters()).device).eval()
 
 
-def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False, option: str = "--out") -> Path:
-    """The resolved output directory, or `ValueError` if it is a file, or a non-empty directory without `overwrite`
-    (the converters call it before loading the model, so that a bad `--out` fails in a second)."""
+def check_output_path(out_dir: str | os.PathLike, option: str = "--out") -> Path:
+    """The resolved output directory, or `ValueError` if it is a file or lies under one (it may exist)."""
     out = Path(out_dir).expanduser().resolve()
     existing = next(p for p in (out, *out.parents) if p.exists())  # `out`, or the directory it would be made in
     if existing == out and not out.is_dir():
         raise ValueError(f"{option} {out} is an existing file, not a directory")
     if not existing.is_dir():
         raise ValueError(f"{option} {out} cannot be created: {existing} is an existing file")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another {option}")
+    return out
+
+
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False, option: str = "--out") -> Path:
+    """The resolved directory a converted checkpoint will replace as a whole, or `ValueError` if it is a file, or a
+    non-empty directory without `overwrite`, or (even with it) one that holds no checkpoint: `--out .` or a project
+    folder would lose every file (the converters call it before loading the model, so that a bad `--out` fails in a
+    second)."""
+    out = check_output_path(out_dir, option)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another {option}")
+        if not (out / "config.json").is_file():
+            raise ValueError(
+                f"--overwrite replaces a checkpoint, and {out} holds none (no config.json): its files would be "
+                f"deleted; choose another {option}"
+            )
     return out
 
 
@@ -117,9 +142,9 @@ def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
     directory, and the directories this call created for `out_dir` while they are still empty, are removed.
 
     Raises:
-        `ValueError` from [`check_output_dir`] when `out_dir` is a file.
+        `ValueError` from [`check_output_path`] when `out_dir` is a file.
     """
-    out = check_output_dir(out_dir, overwrite=True)
+    out = check_output_path(out_dir)
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     host = socket.gethostname().replace("-", "_")  # a name field without the separator

@@ -28,7 +28,7 @@ from .calibration import (
     load_calibration_ids,
     tokenize_calibration_text,
 )
-from .export import atomic_output_dir, card_base_model, check_output_dir, load_converted_state
+from .export import atomic_output_dir, card_base_model, check_output_dir, check_source_model, load_converted_state
 from .factorize import factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
 from .ranks import water_fill
@@ -689,7 +689,7 @@ def add_palu_parser(convert_commands) -> None:
     parser.add_argument("--rank-multiple", type=int, default=8)
     parser.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
     parser.add_argument("--out", required=True, help="output directory (written atomically)")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier checkpoint in --out")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=_run_convert_palu)
 
@@ -713,6 +713,7 @@ def _run_convert_palu(args) -> int:
     )
     check_calibration_source(args.calib)
     source = resolve_model(args.model)  # a missing local model is named first
+    check_source_model(args.model, source)
     base_model = card_base_model(args.base_model or args.model)
     out = check_output_dir(args.out, args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args.model)

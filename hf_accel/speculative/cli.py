@@ -30,7 +30,7 @@ def add_cli(commands) -> None:
 
 def _run_build(args) -> int:
     from ..cli import print_json
-    from ..compress.export import check_output_dir
+    from ..compress.export import check_output_path
     from ..loading import load_model_and_tokenizer, load_tokenizer
     from .drafters.build import (
         SELF_DISTILL_CACHE,
@@ -45,7 +45,7 @@ def _run_build(args) -> int:
         raise ValueError("nothing to index: pass --text FILE..., --dataset NAME, or --self-distill PROMPTS...")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise ValueError("--max-new-tokens and --batch-size must be at least 1")
-    out = check_output_dir(args.out, overwrite=True)  # a file is refused; a used index directory is rebuilt in place
+    out = check_output_path(args.out)  # a file is refused; a used index directory is rebuilt in place
     # an index's files (header.json goes first in a rebuild's swap) or a killed build's `.staging-*` leftovers
     entries = [p.name for p in out.iterdir() if not p.name.startswith(".staging-")] if out.is_dir() else []
     if entries and not set(entries) & {*INDEX_FILES, SELF_DISTILL_CACHE}:

@@ -471,10 +471,10 @@ class HealingResult:
 def _check_output_dir(args: HealingArguments, resume_target: str | None) -> None:
     """Refuses, before anything loads, an `--output_dir` that is a model being read, a file, or a used directory
     (unless resuming from it or `--overwrite_output_dir`): the healed checkpoint replaces files of the same names."""
-    from ..compress.export import check_output_dir
+    from ..compress.export import check_output_path
     from ..loading import resolve_model
 
-    out = check_output_dir(args.output_dir, overwrite=True, option="--output_dir")  # a file, or a path under one
+    out = check_output_path(args.output_dir, option="--output_dir")  # a file, or a path under one
     for name in filter(None, (args.model_name_or_path, args.teacher_model_name_or_path)):
         source = resolve_model(name)
         if Path(source).is_dir() and Path(source).resolve() == out:

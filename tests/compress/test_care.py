@@ -65,12 +65,16 @@ def test_failed_save_leaves_no_output(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []  # neither the output nor a temporary directory is left
 
 
-def test_existing_output_needs_overwrite(tmp_path):
+def test_existing_output_needs_overwrite_and_must_be_a_checkpoint(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
     result = run_care_conversion(make_tiny("llama"), None, CareConversionConfig(method="svd"), None, False)
-    with pytest.raises(ValueError, match="--overwrite"):
+    with pytest.raises(ValueError, match="pass --overwrite"):
         save_care_model(result, None, tmp_path / "out", "org/tiny")
+    with pytest.raises(ValueError, match="holds none"):  # a project folder, `--out .`: never deleted
+        save_care_model(result, None, tmp_path / "out", "org/tiny", overwrite=True)
+    assert (tmp_path / "out" / "keep.txt").exists()
+    (tmp_path / "out" / "config.json").write_text("{}")  # an earlier checkpoint is replaced as a whole
     save_care_model(result, None, tmp_path / "out", "org/tiny", overwrite=True)
     assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
 
@@ -186,19 +190,27 @@ def test_convert_care_cli_refuses_bad_input_before_loading(tmp_path, capsys, mon
         raise AssertionError("loaded the model before checking the arguments")
 
     monkeypatch.setattr(hf_accel.loading, "load_model_and_tokenizer", no_load)
+    from tests.tiny_checkpoints import write_tiny_remote_model
+
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    base = ["convert", "care", "--kv-keep", "0.5"]
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "config.json").write_text("{}")
+    converted = write_tiny_remote_model(tmp_path / "converted")
+    capsys.readouterr()
     cases = [
         (["--calib-samples", "0", "--out", str(tmp_path / "o")], "--calib-samples must be ≥ 1"),
         (["--calib-seq-len", "1", "--out", str(tmp_path / "o")], "--calib-seq-len ≥ 2"),
         (["--out", str(a_file / "sub")], "cannot be created"),
-        (["--model", str(tmp_path), "--out", str(tmp_path / "o")], "pass --base-model ORG/NAME"),
+        (["--model", str(tmp_path / "local"), "--out", str(tmp_path / "o")], "pass --base-model ORG/NAME"),
+        (["--model", str(tmp_path), "--out", str(tmp_path / "o")], "holds no config.json: it is not a saved model"),
+        (["--model", str(converted), "--out", str(tmp_path / "o")], "is already a converted checkpoint"),
     ]
-    for extra, message in cases:
-        assert main(base + extra) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and message in err[0], err
+    for converter, checks in (("care", cases), ("palu", cases[2:])):  # the model checks are shared
+        for extra, message in checks:
+            assert main(["convert", converter, "--kv-keep", "0.5", *extra]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "o").exists()
 
 
