@@ -7,6 +7,7 @@ last predicts a real next token. Packing runs per `datasets.map` batch of docume
 map batch is lost.
 """
 
+import codecs
 from pathlib import Path
 
 import torch
@@ -31,6 +32,29 @@ def pack_token_ids(sequences: list[list[int]], seq_len: int, separator_id: int |
         if separator_id is not None:
             stream.append(separator_id)
     return [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+
+
+def check_utf8_file(path: str, chunk_bytes: int = 1 << 20) -> None:
+    """Raises a one-line `ValueError` naming `path` and its first byte that is not UTF-8 (`datasets` raises a long
+    `DatasetGenerationError` that names no file).
+
+    Args:
+        path (`str`): a text file.
+        chunk_bytes (`int`, *optional*, defaults to 1 MiB): the file is read in chunks of this many bytes.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes handed to the decoder before this chunk
+    with open(path, "rb") as f:
+        try:
+            while chunk := f.read(chunk_bytes):
+                pending = len(decoder.getstate()[0])  # the start of a character cut by the previous chunk
+                decoder.decode(chunk)
+                offset += len(chunk)
+            pending = len(decoder.getstate()[0])
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as err:
+            start = offset - pending + err.start
+            raise ValueError(f"training text file {path} is not UTF-8 text: byte {start} ({err.reason})") from None
 
 
 def load_text_dataset(
@@ -59,6 +83,8 @@ def load_text_dataset(
         missing = [f for f in text_files if not Path(f).is_file()]
         if missing:
             raise FileNotFoundError(f"training text file(s) not found: {', '.join(missing)}")
+        for path in text_files:
+            check_utf8_file(path)
         return datasets.load_dataset("text", data_files=list(text_files), sample_by="document", split="train")
     from ..loading import load_dataset_split
 

@@ -487,11 +487,12 @@ def _check_output_dir(args: HealingArguments, resume_target: str | None) -> None
 
 
 def _build_trainer(args: HealingArguments, resume: bool) -> tuple[HealingTrainer, object, PerplexityCallback | None]:
+    with args.main_process_first(desc="load the training text"):  # before the models: bad text fails in seconds
+        texts = load_text_dataset(args.dataset_name, args.dataset_config, args.dataset_split, args.train_files)
     student, teacher, tokenizer = _load_models(args)
     set_seed(args.seed)  # the Trainer seeds only after this, too late for the LoRA weights' initialisation
     model = prepare_student(student, args)
     with args.main_process_first(desc="tokenize and pack"):
-        texts = load_text_dataset(args.dataset_name, args.dataset_config, args.dataset_split, args.train_files)
         train_dataset = tokenize_and_pack(
             texts, tokenizer, args.train_seq_len, args.text_column, args.max_train_blocks
         )

@@ -524,6 +524,25 @@ def test_train_heal_and_its_script_report_bad_input_in_one_line(checkpoints, tmp
             assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_training_text_that_is_not_utf8_is_one_line_before_loading(checkpoints, tmp_path, monkeypatch):
+    import re
+
+    from hf_accel.training import heal
+    from hf_accel.training.data import check_utf8_file
+
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes("déjà vu\n".encode() * 3 + b"\xff\xfe")  # 30 good bytes, multi-byte characters among them
+    message = rf"training text file {re.escape(str(binary))} is not UTF-8 text: byte 30"
+    for chunk_bytes in (1, 2, 3, 1 << 20):  # characters cut by a chunk boundary are not errors
+        with pytest.raises(ValueError, match=message):
+            check_utf8_file(str(binary), chunk_bytes)
+    monkeypatch.setattr(heal, "_load_models", lambda args: pytest.fail("the models were loaded"))
+    train = str(checkpoints["root"] / "train.txt")
+    with pytest.raises(ValueError, match=message):  # not datasets' DatasetGenerationError, after minutes of loading
+        run_healing(_args(checkpoints, tmp_path / "out", train_files=[train, str(binary)], max_steps=1))
+    assert not (tmp_path / "out").exists()
+
+
 def test_only_an_hf_accel_card_counts_as_an_earlier_runs_card(tmp_path):
     from hf_accel.hub import write_model_card
     from hf_accel.training.heal import _is_our_card
