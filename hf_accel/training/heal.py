@@ -162,6 +162,11 @@ class HealingArguments(TrainingArguments):
         for name in ("lora_r", "lora_alpha", "train_seq_len", "ppl_eval_steps", "max_train_minutes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:  # zero steps would save the student as if healed
+            raise ValueError(
+                f"nothing to train: --max_steps {self.max_steps} and --num_train_epochs {self.num_train_epochs}; "
+                "give a positive --max_steps or --num_train_epochs"
+            )
 
 
 class HealingTrainer(Trainer):

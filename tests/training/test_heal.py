@@ -412,6 +412,12 @@ def test_train_tokens_count_a_partial_last_batch(checkpoints, tmp_path):
     assert summary["steps"] == 2 and summary["train_tokens"] == 5 * 32
 
 
+def test_a_run_without_training_steps_is_refused(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="nothing to train: --max_steps 0 and --num_train_epochs 0"):
+        _args(checkpoints, tmp_path / "none", max_steps=0, num_train_epochs=0)
+    assert _args(checkpoints, tmp_path / "epochs", max_steps=0, num_train_epochs=0.5).num_train_epochs == 0.5
+
+
 def test_bad_lora_target_regex_is_one_line_before_loading(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="not a comma-separated list of regular expressions"):
         _args(checkpoints, tmp_path / "re", lora_target_modules="k_proj(")
@@ -511,11 +517,15 @@ def test_train_heal_and_its_script_report_bad_input_in_one_line(checkpoints, tmp
     from hf_accel.cli import main
 
     script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "heal.py"), run_name="heal_script")
+    train = str(checkpoints["root"] / "train.txt")
     common = ["--model_name_or_path", "./no-such-model", "--output_dir", str(tmp_path / "o"), "--kd_beta", "0"]
     cases = [
         (["--max_steps", "abc", "--train_files", "x.txt"], "invalid int value"),  # argparse's own error
         (["--train_files", str(tmp_path / "missing.txt")], "not found"),  # before loading the (missing) model
         ([], "exactly one training source"),
+        # zero steps saved the untrained student as if healed
+        (["--train_files", train, "--max_steps", "0", "--num_train_epochs", "0"], "nothing to train"),
+        (["--train_files", train, "--max_steps", "-5", "--num_train_epochs", "0"], "nothing to train"),
     ]
     for run in (lambda argv: main(["train", "heal", *argv]), script["main"]):
         for argv, message in cases:
