@@ -485,9 +485,11 @@ def _check_output_dir(args: HealingArguments, resume_target: str | None) -> None
         if Path(source).is_dir() and Path(source).resolve() == out:
             raise ValueError(f"--output_dir {args.output_dir} is the model {name!r} itself: choose another directory")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite_output_dir and resume_target is None:
+        # a run stopped before its first checkpoint leaves e.g. ppl_history.json only: `last` has nothing to resume
+        resume = ", --resume_from_checkpoint last," if _last_complete_checkpoint(out) is not None else ""
         raise ValueError(
-            f"--output_dir {args.output_dir} exists and is not empty: pass --overwrite_output_dir, "
-            "--resume_from_checkpoint last, or another directory"
+            f"--output_dir {args.output_dir} exists and is not empty: pass --overwrite_output_dir{resume} "
+            "or another directory"
         )
 
 

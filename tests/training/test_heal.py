@@ -388,6 +388,18 @@ def test_a_new_run_in_a_used_directory_starts_its_own_curve(checkpoints, tmp_pat
     assert (out / "README.md").read_text() == "# my project\n"  # no card was written over it (local teacher)
 
 
+def test_a_used_directory_without_checkpoints_is_not_offered_for_resuming(checkpoints, tmp_path):
+    out = tmp_path / "interrupted"
+    out.mkdir()
+    (out / "ppl_history.json").write_text("{}")  # a run stopped before its first checkpoint
+    (out / "checkpoint-2").mkdir()  # a save that was interrupted: `last` skips it
+    with pytest.raises(ValueError, match="not empty: pass --overwrite_output_dir or another directory$"):
+        run_healing(_args(checkpoints, out, max_steps=1))
+    (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    with pytest.raises(ValueError, match="pass --overwrite_output_dir, --resume_from_checkpoint last, or another"):
+        run_healing(_args(checkpoints, out, max_steps=1))
+
+
 def test_lora_names_the_raw_attention_parameters_it_leaves_frozen():
     from torch import nn
 
