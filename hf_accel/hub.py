@@ -95,6 +95,19 @@ def hub_id_or_none(name_or_path: str) -> str | None:
         return None
 
 
+def is_hf_accel_card(path: str | Path) -> bool:
+    """Whether `path` is a model card hf-accel wrote (tagged `hf-accel`), not a user's README."""
+    import yaml
+    from huggingface_hub import ModelCard
+
+    if not Path(path).is_file():
+        return False
+    try:
+        return "hf-accel" in (ModelCard.load(path).data.tags or [])
+    except (ValueError, yaml.YAMLError):  # front matter that is not a card's
+        return False
+
+
 def _eval_results(results, model_name: str):
     """`EvalResult`s from measured numbers: dicts with `metric_type`, `metric_value`, `dataset_name` (and optionally
     any other `EvalResult` field), or `EvalResult` objects."""

@@ -1,6 +1,7 @@
 """`hf-accel index build`: an Infinigram index from text files, a dataset, or the model's own answers."""
 
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -101,11 +102,15 @@ def _run_build(args) -> int:
 
 def _write_card(out: str, model: str, header) -> str | None:
     """Makes the index a Hub artifact (model card, `custom_generate/` for `generate(custom_generate=<repo>)`) when
-    `model` names a Hub repository; returns the card's path, or `None` for a local model directory."""
-    from ..hub import hub_id_or_none, save_artifact
+    `model` names a Hub repository; returns the card's path, or `None` for a local model directory, whose rebuild
+    removes an earlier build's card and `custom_generate/` (they describe the index it replaced)."""
+    from ..hub import hub_id_or_none, is_hf_accel_card, save_artifact
 
     base_model = hub_id_or_none(model)
     if base_model is None:
+        if is_hf_accel_card(Path(out) / "README.md"):
+            (Path(out) / "README.md").unlink()
+            shutil.rmtree(Path(out) / "custom_generate", ignore_errors=True)
         return None
     settings = {"tokens": header.num_tokens, "documents": header.num_documents, "tokenizer": header.tokenizer_name}
     settings.update({f"source {i + 1}": source for i, source in enumerate(header.sources or [])})

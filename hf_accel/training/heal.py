@@ -27,7 +27,7 @@ from transformers import Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from ..hub import copy_remote_code
+from ..hub import copy_remote_code, is_hf_accel_card
 from ..loading import to_checkpoint_dtype
 from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
 from .losses import compute_healing_loss
@@ -532,21 +532,8 @@ def _remove_earlier_run(output_dir) -> None:
         shutil.rmtree(path, ignore_errors=True)
     for name in (HISTORY_FILE, PLOT_FILE, SUMMARY_FILE):
         (out / name).unlink(missing_ok=True)
-    if _is_our_card(out / "README.md"):
+    if is_hf_accel_card(out / "README.md"):
         (out / "README.md").unlink(missing_ok=True)
-
-
-def _is_our_card(path: Path) -> bool:
-    """Whether `path` is a model card hf-accel wrote (tagged `hf-accel`), not a user's README."""
-    import yaml
-    from huggingface_hub import ModelCard
-
-    if not path.is_file():
-        return False
-    try:
-        return "hf-accel" in (ModelCard.load(path).data.tags or [])
-    except (ValueError, yaml.YAMLError):  # front matter that is not a card's
-        return False
 
 
 def _save_adapter(model, adapter_dir: Path, student: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_accel.speculative import custom_generate
-from hf_accel.speculative.drafters.index import InfinigramIndex, build_index, tokenizer_fingerprint
+from hf_accel.speculative.drafters.index import INDEX_FILES, InfinigramIndex, build_index, tokenizer_fingerprint
 from hf_accel.speculative.drafters.infinigram import (
     InfinigramConfig,
     InfinigramDrafter,
@@ -167,6 +167,12 @@ def test_registry_and_index_build_cli(tmp_path, capsys):
     assert drafter.index.header.num_documents == 1
     with pytest.raises(ValueError, match="Rebuild the index"):
         build_drafter("ngram", str(tmp_path / "idx"), None, FakeTokenizer(49152))
+    # Rebuilt in place for a local model directory (no Hub id, no card): the earlier card and custom_generate/
+    # described the index it replaced, and would have been published with it
+    local = ["--model", resolve_model("smollm2-135m"), "--out", str(tmp_path / "idx"), "--text", str(text), "--json"]
+    assert main(["index", "build", *local]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["model_card"] is None
+    assert sorted(os.listdir(tmp_path / "idx")) == sorted(INDEX_FILES)
 
 
 def test_width_choice_follows_the_cost_model():
