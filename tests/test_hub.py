@@ -10,7 +10,15 @@ import torch
 import yaml
 
 from hf_accel.cli import main
-from hf_accel.hub import ARTIFACT_KINDS, HubError, populate_hub_cache, push_to_hub, save_artifact, write_model_card
+from hf_accel.hub import (
+    ARTIFACT_KINDS,
+    HubError,
+    is_hf_accel_card,
+    populate_hub_cache,
+    push_to_hub,
+    save_artifact,
+    write_model_card,
+)
 from tests.tiny_checkpoints import logits_in_fresh_process, sample_logits, write_tiny_llama, write_tiny_remote_model
 
 
@@ -356,3 +364,15 @@ def test_repo_generate_turns_stop_strings_into_a_criterion(monkeypatch):
     assert config.stop_strings == ["\n\n"]  # the caller's config is left as it was
     with pytest.raises(ValueError, match="pass `tokenizer=`"):
         repo_generate.generate(object(), drafter="a drafter", stop_strings=["x"])
+
+
+def test_only_an_hf_accel_card_counts_as_ours(tmp_path):
+    write_model_card(tmp_path / "ours", "converted-model", "smollm2-135m")
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "README.md").write_text("---\nlicense: mit\n---\n# a project\n")
+    assert is_hf_accel_card(tmp_path / "ours" / "README.md")
+    assert not is_hf_accel_card(tmp_path / "theirs" / "README.md") and not is_hf_accel_card(
+        tmp_path / "none" / "README.md"
+    )
+    (tmp_path / "theirs" / "README.md").write_text("---\ntags: [hf-accel\n---\n")  # not YAML
+    assert not is_hf_accel_card(tmp_path / "theirs" / "README.md")

@@ -563,16 +563,3 @@ def test_training_text_that_is_not_utf8_is_one_line_before_loading(checkpoints, 
     with pytest.raises(ValueError, match=message):  # not datasets' DatasetGenerationError, after minutes of loading
         run_healing(_args(checkpoints, tmp_path / "out", train_files=[train, str(binary)], max_steps=1))
     assert not (tmp_path / "out").exists()
-
-
-def test_only_an_hf_accel_card_counts_as_an_earlier_runs_card(tmp_path):
-    from hf_accel.hub import write_model_card
-    from hf_accel.training.heal import _is_our_card
-
-    write_model_card(tmp_path / "ours", "converted-model", "smollm2-135m")
-    (tmp_path / "theirs").mkdir()
-    (tmp_path / "theirs" / "README.md").write_text("---\nlicense: mit\n---\n# a project\n")
-    assert _is_our_card(tmp_path / "ours" / "README.md")
-    assert not _is_our_card(tmp_path / "theirs" / "README.md") and not _is_our_card(tmp_path / "none" / "README.md")
-    (tmp_path / "theirs" / "README.md").write_text("---\ntags: [hf-accel\n---\n")  # not YAML
-    assert not _is_our_card(tmp_path / "theirs" / "README.md")
