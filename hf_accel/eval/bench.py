@@ -268,6 +268,9 @@ def bench_generate(
         "prompts": len(prompts),
         "batch_size": batch_size,
         "do_sample": do_sample,
+        "temperature": temperature if do_sample else None,
+        "seed": seed,
+        "pld_tokens": pld_tokens,
         "max_new_tokens": max_new_tokens,
         "methods": summarize(runs, prompts, do_sample),
     }

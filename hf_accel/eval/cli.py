@@ -1,6 +1,7 @@
 """`hf-accel eval ppl` and `hf-accel bench generate`."""
 
 import argparse
+import sys
 
 from ..cli import print_json
 
@@ -51,6 +52,9 @@ def _run_ppl(args: argparse.Namespace) -> int:
         _positive(name.replace("_", "-"), getattr(args, name))
     text = read_eval_text(args.text, args.dataset, args.split, args.text_column)
     model, tokenizer = load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and args.seq_len > context:
+        print(f"warning: --seq-len {args.seq_len} is past the model's {context} positions", file=sys.stderr)
     result = {"model": args.model, "text": args.text or args.dataset}
     result.update(compute_perplexity(model, tokenizer, text, args.seq_len, args.max_tokens, args.batch_size))
     if args.json:
@@ -77,7 +81,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     load_prompts(args.prompts, None, args.limit, args.offset)  # a bad prompts file fails before the model loads
     model, tokenizer = load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     prompts = load_prompts(args.prompts, tokenizer, args.limit, args.offset)
-    result = {"model": args.model, "prompt_source": args.prompts}
+    result = {"model": args.model, "prompt_source": args.prompts, "offset": args.offset, "limit": args.limit}
     result.update(
         bench_generate(
             model,
@@ -96,6 +100,12 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decoding(result: dict) -> str:
+    if not result["do_sample"]:
+        return "greedy"
+    return f"sampling, T = {result['temperature']:g}" if result.get("temperature") else "sampling"
+
+
 def format_bench_table(result: dict) -> str:
     """A human table of a `bench generate` result: one row per method, then one per method × category."""
     width = max([28, *(len(m) + 2 for m in result["methods"])])  # index paths can be long
@@ -104,7 +114,7 @@ def format_bench_table(result: dict) -> str:
     lines = [
         (
             f"model {result['model']} · {result['prompts']} prompts · batch {result['batch_size']} · "
-            f"{'sampling' if result['do_sample'] else 'greedy'} · max_new_tokens {result['max_new_tokens']}"
+            f"{_decoding(result)} · max_new_tokens {result['max_new_tokens']}"
         ),
         head,
         "-" * len(head),

@@ -25,6 +25,10 @@ def test_bench_generate_reports_design_keys(default_model):
     # one batch of 2 rows that both run to max_new_tokens (no EOS this early): a prefill + 11 decoding passes
     assert result["methods"]["vanilla"]["target_passes"] == 12
     assert "row by row" in result["methods"]["pld"]["note"]
+    # what a run needs to be reproduced from its JSON alone
+    assert {k: result[k] for k in ("do_sample", "temperature", "seed", "pld_tokens")} == {
+        "do_sample": False, "temperature": None, "seed": 0, "pld_tokens": 10
+    }  # fmt: skip
 
 
 def test_batches_span_categories_and_split_by_generated_tokens():
@@ -149,8 +153,11 @@ def test_a_remote_code_checkpoint_without_trust_remote_code_is_one_line(tmp_path
     assert main(["eval", "ppl", "--model", str(model_dir), "--text", str(text)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pass --trust-remote-code" in err[0], err
-    assert main(["eval", "ppl", "--model", str(model_dir), "--text", str(text), "--trust-remote-code", "--json"]) == 0
+    argv = ["eval", "ppl", "--model", str(model_dir), "--text", str(text), "--trust-remote-code", "--json"]
+    assert main(argv) == 0
     capsys.readouterr()
+    assert main([*argv, "--seq-len", "300"]) == 0  # a window past the model's 256 positions is flagged
+    assert "warning: --seq-len 300 is past the model's 256 positions" in capsys.readouterr().err
     assert main(["demo", "--model", str(model_dir)]) == 2  # no --trust-remote-code there: no advice to pass it
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the demo runs plain transformers models" in err[0], err
@@ -178,6 +185,8 @@ def test_bench_table_columns_fit_long_method_names():
     result = {"model": "m", "prompts": 2, "batch_size": 1, "do_sample": False, "max_new_tokens": 8,
               "methods": {long_name: {**figures, "per_category": {"a-long-category-name": figures}}}}  # fmt: skip
     table = format_bench_table(result).splitlines()
+    assert "· greedy ·" in table[0]
+    assert "· sampling, T = 0.7 ·" in format_bench_table({**result, "do_sample": True, "temperature": 0.7})
     row = next(line for line in table if line.startswith(long_name) and "a-long-category-name" in line)
     assert row.split() == [long_name, "a-long-category-name", "10.0", "1.50x", "2.00", "yes"]
 
