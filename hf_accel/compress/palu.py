@@ -14,6 +14,7 @@ J-LRD with uniform ranks (`s = num_key_value_heads`) is CARE-U's factorization o
 """
 
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -760,11 +761,19 @@ def _run_convert_palu(args) -> int:
         "base_cache_bytes_per_token": info["base_cache_bytes_per_token"],
         "timings": info["timings"],
     }
+    if info["kv_keep_achieved"] > 1.05 * args.kv_keep:  # every group keeps at least one rank multiple
+        print(
+            f"warning: ranks in multiples of {args.rank_multiple} keep {info['kv_keep_achieved']:.3g} of the cache, "
+            f"not {args.kv_keep:g}; a smaller --rank-multiple gets closer",
+            file=sys.stderr,
+        )
     if args.json:
         print_json(summary)
     else:
         for key, value in summary.items():
-            print(f"{key:>28}: {value}")
+            if isinstance(value, dict):
+                value = ", ".join(f"{k} {v:.1f}" for k, v in value.items())
+            print(f"{key:>28}: {f'{value:.4g}' if isinstance(value, float) else value}")
     return 0
 
 

@@ -294,6 +294,13 @@ def test_cli_convert_palu_generated_calibration(tmp_path, model, tokenizer, caps
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["kv_keep_achieved"] == 0.5 and (out / "model.safetensors").is_file()
+    # a budget below one rank multiple per group is kept at that floor, and said so; the text summary is rounded
+    small = [a if a != "0.5" else "0.05" for a in argv[:-1]] + ["--rank-multiple", "8", "--overwrite"]
+    assert main(small) == 0
+    captured = capsys.readouterr()
+    assert "warning: ranks in multiples of 8 keep 0.5 of the cache, not 0.05" in captured.err
+    lines = {line.split(":")[0].strip(): line.split(":", 1)[1].strip() for line in captured.out.splitlines()}
+    assert lines["kv_keep_achieved"] == "0.5" and lines["timings"].startswith("calibration_s ")
 
 
 def test_calibration_ids_replace_text(model, tokenizer):
