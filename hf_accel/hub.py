@@ -553,7 +553,9 @@ def populate_hub_cache(
 def add_cli(commands) -> None:
     push = commands.add_parser("push", help="upload an artifact directory to the Hugging Face Hub")
     push.add_argument("dir", help="the artifact directory (with its README.md model card)")
-    push.add_argument("--repo-id", required=True, help="ORG/NAME or NAME")
+    push.add_argument(
+        "--repo-id", required=True, help="ORG/NAME, or NAME under your account (an upload; --to-cache needs ORG/NAME)"
+    )
     push.add_argument("--private", action="store_true", help="create the repository private")
     push.add_argument("--token", default=None, help="a write token (default: the saved one or $HF_TOKEN)")
     push.add_argument("--message", default=None, help="the commit message")
