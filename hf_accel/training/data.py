@@ -106,6 +106,9 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, text_column: str = "text
     """
     if text_column not in dataset.column_names:
         raise ValueError(f"the dataset has no column {text_column!r}; columns: {dataset.column_names}")
+    feature = dataset.features[text_column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise ValueError(f"the dataset's column {text_column!r} holds values that are not text ({feature})")
     separator = tokenizer.eos_token_id
 
     def _pack(batch):

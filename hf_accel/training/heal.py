@@ -159,7 +159,14 @@ class HealingArguments(TrainingArguments):
             raise ValueError(f"training text file(s) not found: {', '.join(missing)}")
         if self.lora_target_modules not in ("attention", "all-linear"):
             _lora_target_patterns(self.lora_target_modules)  # a bad regular expression fails before any loading
-        for name in ("lora_r", "lora_alpha", "train_seq_len", "ppl_eval_steps", "max_train_minutes"):
+        for name in (
+            "lora_r",
+            "lora_alpha",
+            "train_seq_len",
+            "ppl_eval_steps",
+            "max_train_minutes",
+            "max_train_blocks",
+        ):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:  # zero steps would save the student as if healed

@@ -268,6 +268,9 @@ def test_dataset_sources_tokenize_and_pack(tmp_path):
         load_text_dataset(text_files=[str(tmp_path / "missing.txt")])
     with pytest.raises(ValueError, match="no column"):
         tokenize_and_pack(rows, tokenizer, seq_len=3)
+    numbers = datasets.Dataset.from_dict({"text": ["abc"], "label": [3]})
+    with pytest.raises(ValueError, match="column 'label' holds values that are not text"):
+        tokenize_and_pack(numbers, tokenizer, seq_len=3, text_column="label")
 
 
 def test_healing_moves_a_damaged_student_towards_its_teacher(checkpoints, tmp_path):
@@ -348,6 +351,8 @@ def test_time_budget_stops_training_after_the_step_that_passes_it(checkpoints, t
     assert [p["step"] for p in history["points"]] == [0, 1]
     with pytest.raises(ValueError, match="max_train_minutes must be positive"):
         _args(checkpoints, tmp_path / "bad", max_train_minutes=0)
+    with pytest.raises(ValueError, match="max_train_blocks must be positive"):  # 0 blocks: an empty training set
+        _args(checkpoints, tmp_path / "bad", max_train_blocks=0)
 
 
 def _merged_lora_weights(result):
