@@ -8,6 +8,7 @@
 
 import argparse
 import hashlib
+import shutil
 import textwrap
 import time
 from pathlib import Path
@@ -97,6 +98,7 @@ def _care_model(name: str, model, tokenizer, kv_keep: float):
 
     cached = care_cache_dir(name, kv_keep)
     if not (cached / "config.json").is_file():
+        shutil.rmtree(cached, ignore_errors=True)  # the demo's own cache: what is left of it is not a checkpoint
         config = CareConversionConfig(kv_keep=kv_keep)
         # Calibrated on the model's own generated text (the CLI default), 32 windows of 64 tokens.
         result = run_care_conversion(model, tokenizer, config, None, True, num_samples=32, seq_len=64)

@@ -94,8 +94,6 @@ def resolve_model(name_or_path: str) -> str:
             _convert_gguf(_gguf_path(), out)
         return str(out)
     if os.path.isdir(name_or_path):
-        if not any(os.path.isfile(os.path.join(name_or_path, f)) for f in ("config.json", "adapter_config.json")):
-            raise ModelNotFoundError(f"model directory {name_or_path!r} holds no config.json: it is not a saved model")
         return name_or_path
     if looks_like_local_path(name_or_path):
         raise ModelNotFoundError(f"model {name_or_path!r} is not a directory, a Hub id, or `{DEFAULT_MODEL}`")
@@ -151,6 +149,7 @@ def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype=torch.floa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name_or_path)
+    check_model_dir(name_or_path, path)
     if not kwargs.get("trust_remote_code"):
         _check_no_remote_code(name_or_path, path)
     try:
@@ -162,6 +161,15 @@ def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype=torch.floa
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+def check_model_dir(name: str, path: str) -> None:
+    """One line for a local directory that holds no model (no `config.json`, nor a PEFT adapter's), instead of the
+    tokenizer's several-line error about backends (a tokenizer-only directory still serves `load_tokenizer`)."""
+    if os.path.isdir(path) and not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
+    ):
+        raise ModelNotFoundError(f"model directory {name!r} holds no config.json: it is not a saved model")
 
 
 def _raw_config(name_or_path) -> dict:

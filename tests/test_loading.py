@@ -64,3 +64,13 @@ def test_without_network_an_uncached_hub_dataset_fails_at_once(no_network, monke
     with pytest.raises(ValueError, match="cannot load dataset 'org/no-such-dataset'.*OfflineModeIsEnabled"):
         load_dataset_split("org/no-such-dataset")
     assert datasets.config.HF_HUB_OFFLINE is False  # restored
+
+
+def test_a_directory_without_a_model_is_one_line_and_a_tokenizer_directory_serves_its_tokenizer(tmp_path):
+    from hf_accel.loading import load_tokenizer
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    make_char_tokenizer().save_pretrained(tmp_path / "tokenizer")  # what `index build --model` needs, alone
+    assert load_tokenizer(str(tmp_path / "tokenizer")).convert_tokens_to_ids("a") is not None
+    with pytest.raises(ModelNotFoundError, match="holds no config.json: it is not a saved model"):
+        load_model_and_tokenizer(str(tmp_path / "tokenizer"))

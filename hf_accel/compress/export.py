@@ -32,9 +32,11 @@ def card_base_model(name: str) -> str:
 
 
 def check_source_model(name: str, path: str) -> None:
-    """Refuses, in one line, to convert a checkpoint that is already converted (it ships its own modeling code)."""
-    from ..loading import remote_code_model_type
+    """Refuses, in one line, a directory that holds no model, and a checkpoint that is already converted (it ships its
+    own modeling code)."""
+    from ..loading import check_model_dir, remote_code_model_type
 
+    check_model_dir(name, path)
     model_type = remote_code_model_type(path)
     if model_type:
         raise ValueError(
@@ -81,12 +83,22 @@ def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False, option
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise ValueError(f"output directory {out} exists and is not empty; pass --overwrite or another {option}")
-        if not (out / "config.json").is_file():
+        if not _is_checkpoint(out):
             raise ValueError(
-                f"--overwrite replaces a checkpoint, and {out} holds none (no config.json): its files would be "
-                f"deleted; choose another {option}"
+                f"--overwrite replaces a checkpoint, and {out} holds none (a config.json with a model_type, and "
+                f"weights): its files would be deleted; choose another {option}"
             )
     return out
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    """Whether `folder` holds a transformers checkpoint: a `config.json` naming a `model_type`, and weights."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+    return isinstance(config, dict) and "model_type" in config and has_weights
 
 
 @contextmanager

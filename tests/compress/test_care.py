@@ -71,10 +71,13 @@ def test_existing_output_needs_overwrite_and_must_be_a_checkpoint(tmp_path):
     result = run_care_conversion(make_tiny("llama"), None, CareConversionConfig(method="svd"), None, False)
     with pytest.raises(ValueError, match="pass --overwrite"):
         save_care_model(result, None, tmp_path / "out", "org/tiny")
-    with pytest.raises(ValueError, match="holds none"):  # a project folder, `--out .`: never deleted
-        save_care_model(result, None, tmp_path / "out", "org/tiny", overwrite=True)
-    assert (tmp_path / "out" / "keep.txt").exists()
-    (tmp_path / "out" / "config.json").write_text("{}")  # an earlier checkpoint is replaced as a whole
+    for config in (None, '{"eslint": true}'):  # a project folder, `--out .`, even one with a config.json: kept
+        if config:
+            (tmp_path / "out" / "config.json").write_text(config)
+        with pytest.raises(ValueError, match="holds none"):
+            save_care_model(result, None, tmp_path / "out", "org/tiny", overwrite=True)
+        assert (tmp_path / "out" / "keep.txt").exists()
+    result.model.save_pretrained(tmp_path / "out")  # an earlier checkpoint is replaced as a whole
     save_care_model(result, None, tmp_path / "out", "org/tiny", overwrite=True)
     assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
 
