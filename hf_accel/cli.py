@@ -51,11 +51,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except OSError as err:  # the machine's, not the input's: a full disk, an I/O error (outputs are atomic)
-        print(f"hf-accel {args.command}: error: {err}", file=sys.stderr)
-        return 1
     except Exception as err:
-        if type(err).__name__ != "SafetensorError":  # safetensors reports a failed write (a full disk) as its own type
+        # The machine's errors, not the input's: a full disk, an I/O error (outputs are atomic); safetensors reports a
+        # failed write as its own type
+        if not isinstance(err, OSError) and type(err).__name__ != "SafetensorError":
             raise
         print(f"hf-accel {args.command}: error: {err}", file=sys.stderr)
         return 1
