@@ -270,7 +270,7 @@ class CareResult:
         return {
             "method": self.method,
             "kv_keep": self.kv_keep,
-            "achieved_kv_keep": (sum(self.k_ranks) + sum(self.v_ranks)) / widths,
+            "kv_keep_achieved": (sum(self.k_ranks) + sum(self.v_ranks)) / widths,
             "k_ranks": self.k_ranks,
             "v_ranks": self.v_ranks,
             "cache_values_per_token": sum(self.k_ranks) + sum(self.v_ranks),
@@ -437,7 +437,7 @@ def save_care_model(result: CareResult, tokenizer, out_dir, base_model: str | No
         write_json(tmp / "care_ranks.json", dict(summary, base_model=base_model, calibration=calibration))
         plot_ranks(tmp / "care_ranks.png", result.k_ranks, result.v_ranks, width, f"CARE ranks ({result.method})")
         settings = {"method": result.method, "kv_keep": result.kv_keep}
-        settings["kv_keep_achieved"] = round(summary["achieved_kv_keep"], 4)
+        settings["kv_keep_achieved"] = round(summary["kv_keep_achieved"], 4)
         settings["absorb_value"] = model.config.care_absorb_value
         settings["calibration"] = ", ".join(f"{k} {v}" for k, v in (calibration or {"none": "(plain SVD)"}).items())
         if base_model is None:

@@ -99,7 +99,7 @@ def benchmark_care(
 
     Returns:
         `dict` with `original` (ppl per text, cache bytes) and `results`: a list of rows `{method, kv_keep, ppl:
-        {name: ppl}, cache_bytes_per_token, achieved_kv_keep, factorization_seconds, k_ranks, v_ranks}`.
+        {name: ppl}, cache_bytes_per_token, kv_keep_achieved, factorization_seconds, k_ranks, v_ranks}`.
     """
     from ..eval.perplexity import compute_perplexity
 

@@ -79,7 +79,7 @@ def run_convert_care(args) -> int:
     else:
         print(
             f"CARE ({args.method}) kv-keep {args.kv_keep}: {summary['cache_values_per_token']} cached values per "
-            f"token (achieved {summary['achieved_kv_keep']:.3f}); calibration {summary['calibration_seconds']} s, "
+            f"token (achieved {summary['kv_keep_achieved']:.3f}); calibration {summary['calibration_seconds']} s, "
             f"factorization {summary['factorization_seconds']} s → {out}"
         )
     return 0

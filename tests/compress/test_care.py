@@ -267,5 +267,5 @@ def test_kv_keep_is_a_fraction_of_the_cache_width_when_it_exceeds_the_hidden_siz
     model = make_tiny("llama", head_dim=16, num_key_value_heads=4)
     config = CareConversionConfig(kv_keep=0.5, method=method)
     result = run_care_conversion(model, None, config, tiny_calibration(model), False)
-    assert result.summary()["achieved_kv_keep"] == 0.5
+    assert result.summary()["kv_keep_achieved"] == 0.5
     assert kv_cache_bytes_per_token(result.model) == kv_cache_bytes_per_token(model) // 2
