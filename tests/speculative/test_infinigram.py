@@ -454,3 +454,25 @@ def test_the_self_distillation_cache_is_per_model_weights(tmp_path):
     assert len(lines) == 2  # the old answers were replaced, not kept beside the new ones
     cache.write_text(lines[0] + "\n" + "\n".join(lines) + "\n")  # a run killed while replacing left a duplicate
     assert run(other) == answers and len(cache.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("use_speculation", [False, True])
+def test_self_distill_pads_on_the_left_whatever_the_tokenizer_says(tmp_path, use_speculation):
+    """A tokenizer as `from_pretrained` gives it (padding on the right) still gets each prompt's own greedy answer."""
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters.build import _strip_after_eos, self_distill
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    assert tokenizer.padding_side == "right"
+    model = make_tiny_llama(vocab_size=len(tokenizer))
+    prompts = [BenchPrompt(question_id=str(i), category="t", text=t) for i, t in enumerate(["ab", "hello there"])]
+    batched = self_distill(
+        model, tokenizer, prompts, tmp_path / "b", max_new_tokens=6, batch_size=2, use_speculation=use_speculation
+    )
+    for i, prompt in enumerate(prompts):
+        inputs = tokenizer(prompt.text, return_tensors="pt", add_special_tokens=False)
+        reference = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+        assert batched[i] == _strip_after_eos(reference.tolist(), {model.generation_config.eos_token_id})
+        assert tokenizer.padding_side == "right"  # the caller's tokenizer is left as it was

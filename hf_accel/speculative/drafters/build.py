@@ -132,7 +132,14 @@ def self_distill(
     with tqdm(total=len(todo), desc="self-distill", unit="prompt") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            inputs = tokenizer([p.text for _, p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+            # left padding whatever the tokenizer's default: generated tokens must follow each prompt's last token
+            inputs = tokenizer(
+                [p.text for _, p in batch],
+                return_tensors="pt",
+                padding=True,
+                padding_side="left",
+                add_special_tokens=False,
+            )
             with torch.no_grad():
                 generated = model.generate(
                     **inputs, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None,
