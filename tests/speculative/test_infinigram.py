@@ -429,6 +429,39 @@ def test_text_files_are_tokenized_in_chunks_as_a_whole(tmp_path):
     assert tokenizer.decode(pieces) == "x" * 60
 
 
+def test_text_file_chunks_keep_the_tokens_of_a_llama3_style_tokenizer(tmp_path):
+    """Llama 3 and Qwen pre-tokenizers glue line breaks to the punctuation before them (`.` + `\\n\\n` is one piece):
+    a cut before a line break would split such a piece."""
+    import textwrap
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_accel.speculative.drafters.build import iter_text_file_documents
+
+    pattern = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+        r"|\s+(?!\S)|\s+"
+    )
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    text = Path(textwrap.__file__).read_text()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend.train_from_iterator([text], trainers.BpeTrainer(vocab_size=1000, initial_alphabet=alphabet))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    path = tmp_path / "a.txt"
+    path.write_text(text)
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for chunk_chars in (500, 2000):
+        assert next(iter_text_file_documents([path], tokenizer, chunk_chars=chunk_chars)) == whole
+
+
 def test_the_self_distillation_cache_is_per_model_weights(tmp_path):
     from hf_accel.eval.prompts import BenchPrompt
     from hf_accel.speculative.drafters.build import SELF_DISTILL_CACHE, _cache_key, self_distill

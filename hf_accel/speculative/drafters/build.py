@@ -32,9 +32,11 @@ def iter_text_file_documents(
 ) -> Iterator[list[int]]:
     """Token ids of each text file (one document per file, tokenized in chunks of about `chunk_chars` characters).
 
-    A chunk ends before the whitespace run of its last line break (else of its last space): byte-level BPE tokenizers
-    glue a space to the word after it and indentation to its line break, so this cut makes the tokens of the whole
-    text; a cut inside a word would make tokens the tokenizer never makes."""
+    A chunk ends at a whitespace run near its end (its last line break's, else its last space's) where the text around
+    the cut tokenizes as the two pieces do ([`_chunk_end`]): byte-level BPE tokenizers glue a space to the word after
+    it and indentation to its line break (GPT-2, SmolLM: cut before the run), Llama 3 and Qwen glue line breaks to the
+    punctuation before them (cut after the line breaks). A cut inside a word would make tokens the tokenizer never
+    makes."""
     for path in paths:
         path = Path(path)
         if not path.is_file():
@@ -42,17 +44,38 @@ def iter_text_file_documents(
         text = path.read_text(encoding="utf-8", errors="replace")
         ids, start = [], 0
         while start < len(text):
-            end = start + chunk_chars
-            for separator in ("\n", " ") if end < len(text) else ():
-                cut = text.rfind(separator, start + 1, end)
-                while cut > start and text[cut - 1].isspace():
-                    cut -= 1
-                if cut > start:
-                    end = cut
-                    break
+            end = _chunk_end(text, start, start + chunk_chars, tokenizer)
             ids += tokenizer(text[start:end], add_special_tokens=False)["input_ids"]
             start = end
         yield ids
+
+
+def _chunk_end(text: str, start: int, end: int, tokenizer, margin: int = 256) -> int:
+    """Where a chunk of `text` beginning at `start` ends, at most about `end`: the first cut, of those around the last
+    line break and then the last space before `end`, whose neighbourhood of `margin` characters tokenizes whole as its
+    two sides do; the first candidate if none does (a tokenizer that adds a prefix space to every call), `end` if
+    there is no whitespace at all."""
+    if end >= len(text):
+        return len(text)
+    candidates = []
+    for separator in ("\n", " "):
+        cut = text.rfind(separator, start + 1, end)
+        before = cut  # the start of the whitespace run
+        while before > start and text[before - 1].isspace():
+            before -= 1
+        after = cut  # past the line breaks (not the indentation after them)
+        while 0 <= after < len(text) and text[after] in "\r\n":
+            after += 1
+        candidates += [c for c in (before, after) if start < c < len(text) and c not in candidates]
+    for candidate in candidates:
+        window = text[max(start, candidate - margin) : candidate + margin]
+        left = candidate - max(start, candidate - margin)
+        pieces = [
+            tokenizer(part, add_special_tokens=False)["input_ids"] for part in (window, window[:left], window[left:])
+        ]
+        if pieces[0] == pieces[1] + pieces[2]:
+            return candidate
+    return candidates[0] if candidates else end
 
 
 def iter_dataset_documents(
