@@ -42,6 +42,9 @@ DEFAULT_IGNORE_PATTERNS = (
 )
 # Aliases of this project that stand for Hub repositories (the card's `base_model` must be a Hub id).
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# A card saved without a repo id shows `<your-namespace>/NAME` in its snippets; publishing fills in the repository.
+_PLACEHOLDER_NAMESPACE = "<your-namespace>"
+_PLACEHOLDER_REPO_ID = re.compile(re.escape(_PLACEHOLDER_NAMESPACE) + r"/[^\s\"'`)]+")
 
 
 class HubError(ValueError):
@@ -222,7 +225,7 @@ def write_model_card(
         card_data,
         template_path=str(Path(template_dir or HUB_CARDS_DIR) / spec.template),
         model_name=name,
-        repo_id=repo_id or f"<your-namespace>/{name}",
+        repo_id=repo_id or f"{_PLACEHOLDER_NAMESPACE}/{name}",
         base_model=card_data.base_model,
         description=description,
         settings=settings or {},
@@ -352,10 +355,16 @@ def _set_constant(source: str, name: str, value: str) -> str:
 
 def _published_bytes(path: Path, folder: Path, repo_id: str) -> bytes | Path:
     """What a repository gets for `path`: the file itself, except that `custom_generate/generate.py` drafts from
-    the repository `repo_id` (it was saved naming its local directory)."""
-    if path.relative_to(folder).as_posix() != "custom_generate/generate.py":
-        return path
-    return _set_constant(path.read_text(encoding="utf-8"), "ARTIFACT", repo_id).encode()
+    the repository `repo_id` (it was saved naming its local directory) and a model card saved without a repo id
+    names `repo_id` in its snippets instead of the `<your-namespace>/NAME` placeholder."""
+    name = path.relative_to(folder).as_posix()
+    if name == "custom_generate/generate.py":
+        return _set_constant(path.read_text(encoding="utf-8"), "ARTIFACT", repo_id).encode()
+    if name == "README.md":
+        card = path.read_text(encoding="utf-8")
+        published = _PLACEHOLDER_REPO_ID.sub(lambda _: repo_id, card)
+        return published.encode() if published != card else path
+    return path
 
 
 def save_artifact(
@@ -429,7 +438,8 @@ def push_to_hub(
     ignore_patterns=DEFAULT_IGNORE_PATTERNS,
 ) -> str:
     """Creates (if needed) the model repository `repo_id` and uploads `folder` to it, in one commit (a drafter's
-    `custom_generate/generate.py` is published naming the repository, see [`write_custom_generate`]).
+    `custom_generate/generate.py`, see [`write_custom_generate`], and a card saved without `repo_id` are published
+    naming the repository).
 
     Args:
         folder (`str` or `Path`): an artifact directory (see [`save_artifact`]).
@@ -496,7 +506,8 @@ def populate_hub_cache(
     ignore_patterns=DEFAULT_IGNORE_PATTERNS,
 ) -> Path:
     """Writes `folder` into a Hugging Face cache as if `repo_id` had been downloaded from the Hub (published as
-    [`push_to_hub`] would: a drafter's `custom_generate/generate.py` names `repo_id`).
+    [`push_to_hub`] would: a drafter's `custom_generate/generate.py`, and a card saved without a repo id, name
+    `repo_id`).
 
     Layout (the Hub client's): `models--ORG--NAME/blobs/<sha256>` holds each file's bytes,
     `snapshots/<commit>/<path>` links to its blob (a copy where symlinks are not allowed), and `refs/<revision>`

@@ -376,3 +376,15 @@ def test_only_an_hf_accel_card_counts_as_ours(tmp_path):
     )
     (tmp_path / "theirs" / "README.md").write_text("---\ntags: [hf-accel\n---\n")  # not YAML
     assert not is_hf_accel_card(tmp_path / "theirs" / "README.md")
+
+
+def test_a_card_saved_without_a_repo_id_is_published_naming_the_repository(tmp_path):
+    """`hf-accel index build` / `convert` save cards without knowing the repository: their snippets say
+    `<your-namespace>/DIR` until the artifact is pushed (or put in a cache) under a real id."""
+    artifact = save_artifact(tmp_path / "idx", "drafter-index", "org/base", drafter="ngram")
+    assert 'custom_generate="<your-namespace>/idx"' in (artifact / "README.md").read_text()
+    snapshot = populate_hub_cache(artifact, "me/my-index", cache_dir=tmp_path / "hub")
+    published = (snapshot / "README.md").read_text()
+    assert 'custom_generate="me/my-index"' in published and "hf download me/my-index " in published
+    assert "<your-namespace>" not in published
+    assert "<your-namespace>/idx" in (artifact / "README.md").read_text()  # the local card is left as it was
