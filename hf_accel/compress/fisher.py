@@ -114,6 +114,12 @@ def allocate_fisher_ranks(
     return [r * unit for r in ranks]
 
 
+def projection_importance(mean_squared_grad: torch.Tensor) -> float:
+    """A projection's importance from its weights' mean squared gradients: the mean over elements of their square
+    root (the Palu code's estimate; spec §2.4 and its gaps list, item 3)."""
+    return mean_squared_grad.sqrt().mean().item()
+
+
 def collect_fisher_scores(model, input_ids: torch.Tensor, progress: bool = True) -> list[tuple[float, float]]:
     """
     Per layer `(score_K, score_V)`: mean over elements of `sqrt(mean_samples g²)` of the k/v_proj weights.
@@ -146,5 +152,5 @@ def collect_fisher_scores(model, input_ids: torch.Tensor, progress: bool = True)
     finally:
         for p, flag in zip(model.parameters(), was_grad):
             p.requires_grad_(flag)
-    fisher = [(acc / len(input_ids)).sqrt().mean().item() for acc in squares]
+    fisher = [projection_importance(acc / len(input_ids)) for acc in squares]
     return [(fisher[2 * i], fisher[2 * i + 1]) for i in range(len(projections))]
