@@ -96,4 +96,18 @@ def load_prompts(source: str, tokenizer=None, limit: int | None = None, offset: 
     selected = records[offset:end]
     if not selected:
         raise ValueError(f"no prompts left in {path} after --offset {offset} (it has {len(records)})")
-    return [_render(r, f"{path.name}:{offset + i + 1}", tokenizer) for i, r in enumerate(selected)]
+    prompts = [_render(r, f"{path.name}:{offset + i + 1}", tokenizer) for i, r in enumerate(selected)]
+    _check_unique_ids(prompts, path)
+    return prompts
+
+
+def _check_unique_ids(prompts: list[BenchPrompt], path: Path) -> None:
+    """The benchmark keys each method's outputs by `question_id`: a repeated id would count one row's tokens twice and
+    compare one row against vanilla twice, the other never."""
+    seen = set()
+    for p in prompts:
+        if p.question_id in seen:
+            raise ValueError(
+                f"{path}: question_id {p.question_id!r} appears more than once; prompt ids must be unique"
+            )
+        seen.add(p.question_id)

@@ -55,3 +55,14 @@ def test_missing_file_and_offset_past_end(tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"question_id": 1, "turns": ["hi"]}])
     with pytest.raises(ValueError, match="no prompts left"):
         load_prompts(path, offset=5)
+
+
+def test_repeated_question_ids_are_refused(tmp_path):
+    # Outputs are keyed by question_id: a repeat would make the benchmark count and compare one row twice.
+    path = write_jsonl(
+        tmp_path / "q.jsonl",
+        [{"question_id": 1, "category": "a", "turns": ["hi"]}, {"question_id": 1, "category": "b", "turns": ["yo"]}],
+    )
+    with pytest.raises(ValueError, match="question_id '1' appears more than once"):
+        load_prompts(path)
+    assert len(load_prompts(path, limit=1)) == 1
