@@ -166,6 +166,8 @@ class HealingArguments(TrainingArguments):
             "ppl_eval_steps",
             "max_train_minutes",
             "max_train_blocks",
+            "validation_seq_len",
+            "validation_max_tokens",
         ):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -68,6 +68,13 @@ def test_perplexity_rejects_too_short_text():
         compute_perplexity(make_tiny_llama(), ByteTokenizer(), "a", 8, progress=False)
 
 
+@pytest.mark.parametrize("max_tokens", [0, -5])
+def test_perplexity_rejects_a_max_tokens_that_is_not_positive(max_tokens):
+    # -5 sliced the token ids: every token but the last 5 was scored, without a word
+    with pytest.raises(ValueError, match=f"max_tokens must be positive, got {max_tokens}"):
+        compute_perplexity(make_tiny_llama(), ByteTokenizer(), "To be, or not to be", 8, max_tokens, progress=False)
+
+
 def test_read_eval_text_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_eval_text(str(tmp_path / "missing.txt"))

@@ -435,6 +435,13 @@ def test_a_run_without_training_steps_is_refused(checkpoints, tmp_path):
     assert _args(checkpoints, tmp_path / "epochs", max_steps=0, num_train_epochs=0.5).num_train_epochs == 0.5
 
 
+@pytest.mark.parametrize("name", ["validation_seq_len", "validation_max_tokens"])
+def test_validation_sizes_that_are_not_positive_are_refused(checkpoints, tmp_path, name):
+    # validation_max_tokens=-5 scored all but the last 5 validation tokens, without a word
+    with pytest.raises(ValueError, match=f"{name} must be positive, got -5"):
+        _args(checkpoints, tmp_path / "v", **{name: -5})
+
+
 def test_bad_lora_target_regex_is_one_line_before_loading(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="not a comma-separated list of regular expressions"):
         _args(checkpoints, tmp_path / "re", lora_target_modules="k_proj(")
