@@ -157,6 +157,8 @@ class HealingArguments(TrainingArguments):
         missing = [f for f in self.train_files or [] if not Path(f).is_file()]
         if missing:  # before minutes of model loading
             raise ValueError(f"training text file(s) not found: {', '.join(missing)}")
+        if self.validation_file is not None and not Path(self.validation_file).is_file():
+            raise ValueError(f"validation text file not found: {self.validation_file}")
         if self.lora_target_modules not in ("attention", "all-linear"):
             _lora_target_patterns(self.lora_target_modules)  # a bad regular expression fails before any loading
         for name in (

@@ -546,6 +546,7 @@ def test_train_heal_and_its_script_report_bad_input_in_one_line(checkpoints, tmp
     cases = [
         (["--max_steps", "abc", "--train_files", "x.txt"], "invalid int value"),  # argparse's own error
         (["--train_files", str(tmp_path / "missing.txt")], "not found"),  # before loading the (missing) model
+        (["--train_files", train, "--validation_file", str(tmp_path / "gone.txt")], "validation text file not found"),
         ([], "exactly one training source"),
         # zero steps saved the untrained student as if healed
         (["--train_files", train, "--max_steps", "0", "--num_train_epochs", "0"], "nothing to train"),
