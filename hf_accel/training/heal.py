@@ -594,6 +594,7 @@ def run_healing(args: HealingArguments) -> HealingResult:
     merged = None
     if trainer.is_world_process_zero():
         trained = trainer.accelerator.unwrap_model(trainer.model)
+        _check_finite(trained)  # before the adapter is written: a diverged run leaves no weights to publish
         if args.use_lora:
             _save_adapter(trained, Path(args.output_dir) / ADAPTER_DIR, args.model_name_or_path)
         merged = save_healed_model(trained, tokenizer, args.output_dir, resolve_model(args.model_name_or_path))

@@ -429,6 +429,14 @@ def test_train_tokens_count_a_partial_last_batch(checkpoints, tmp_path):
     assert summary["steps"] == 2 and summary["train_tokens"] == 5 * 32
 
 
+def test_a_diverged_run_writes_no_adapter_and_no_model(checkpoints, tmp_path):
+    args = _args(checkpoints, tmp_path / "nan", learning_rate=1e30, max_grad_norm=0.0, kd_beta=0.0,
+                 validation_file=None, max_steps=2, save_steps=100)  # fmt: skip
+    with pytest.raises(ValueError, match="the healed weights are not finite"):
+        run_healing(args)
+    assert not (tmp_path / "nan" / "adapter").exists() and not (tmp_path / "nan" / "config.json").exists()
+
+
 def test_a_run_without_training_steps_is_refused(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="nothing to train: --max_steps 0 and --num_train_epochs 0"):
         _args(checkpoints, tmp_path / "none", max_steps=0, num_train_epochs=0)
