@@ -12,6 +12,8 @@ Contract with cache classes (documented again in [`~hf_accel.speculative.engine`
   finished rows; otherwise the tensors are indexed on axis 0.
 - Layers that keep only a window (`is_sliding`) are refused: gathering would have to know the window's origin.
   So are preallocated layers (`max_cache_len`, a static cache): their length is fixed, so they cannot be cropped.
+  So are recurrent layers (`conv_states` / `recurrent_states`: linear attention, SSM and convolution layers of
+  hybrid models): a tree pass folds every node into one state, which cannot be rolled back to the accepted path.
 """
 
 import torch
@@ -30,6 +32,12 @@ def validate_cache_for_speculation(cache) -> None:
             raise ValueError(
                 f"cache layer {i} is preallocated ({type(layer).__name__}, e.g. cache_implementation='static'); "
                 "speculative decoding crops and gathers the cache: use the default dynamic cache"
+            )
+        if hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states"):
+            raise ValueError(
+                f"cache layer {i} holds recurrent states ({type(layer).__name__}: linear attention, SSM or "
+                "convolution layers of a hybrid model), which a draft tree cannot be verified against or rolled back "
+                "in; speculative decoding supports attention-only models"
             )
         if getattr(layer, "is_sliding", False) and not hasattr(layer, "select_positions"):
             raise ValueError(

@@ -368,3 +368,19 @@ def test_context_dependent_processors_keep_greedy_identity(processor):
         drafter = ReferenceDrafter(drafts_from, depth=4, tree=True)
         out = model.generate(**kwargs, **processor, custom_generate=custom_generate, drafter=drafter)
         assert torch.equal(out, reference)
+
+
+def test_hybrid_recurrent_models_are_refused_in_one_line():
+    """A tree pass folds every draft node into a linear-attention / convolution state that cannot be rolled back."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"], pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    model = Lfm2ForCausalLM(config).eval()
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = model.generate(input_ids, max_new_tokens=8, do_sample=False)
+    with pytest.raises(ValueError, match="recurrent states"):
+        model.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate,
+                       drafter=ReferenceDrafter(reference))  # fmt: skip
