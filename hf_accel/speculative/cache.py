@@ -14,6 +14,8 @@ Contract with cache classes (documented again in [`~hf_accel.speculative.engine`
   So are preallocated layers (`max_cache_len`, a static cache): their length is fixed, so they cannot be cropped.
   So are recurrent layers (`conv_states` / `recurrent_states`: linear attention, SSM and convolution layers of
   hybrid models): a tree pass folds every node into one state, which cannot be rolled back to the accepted path.
+  So are transformers' quantized layers (`_quantized_keys`, `cache_implementation="quantized"`) without
+  `select_positions`: most of their sequence lives in the quantized storage, not in `keys` / `values`.
 """
 
 import torch
@@ -38,6 +40,11 @@ def validate_cache_for_speculation(cache) -> None:
                 f"cache layer {i} holds recurrent states ({type(layer).__name__}: linear attention, SSM or "
                 "convolution layers of a hybrid model), which a draft tree cannot be verified against or rolled back "
                 "in; speculative decoding supports attention-only models"
+            )
+        if hasattr(layer, "_quantized_keys") and not hasattr(layer, "select_positions"):
+            raise ValueError(
+                f"cache layer {i} is quantized ({type(layer).__name__}, cache_implementation='quantized'); "
+                "speculative decoding gathers the cache: use the default dynamic cache"
             )
         if getattr(layer, "is_sliding", False) and not hasattr(layer, "select_positions"):
             raise ValueError(

@@ -224,12 +224,16 @@ def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
     assert torch.equal(out, reference)
 
 
-def test_static_cache_is_refused_in_one_line(tiny_llama):
+def test_static_and_quantized_caches_are_refused_in_one_line(tiny_llama):
     input_ids = torch.tensor([[5, 6, 7, 8]])
     reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
     with pytest.raises(ValueError, match="preallocated"):
         tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate, cache_implementation="static",
                             drafter=ReferenceDrafter(reference))  # fmt: skip
+    # transformers' FP8 quantized cache needs no extra package; its states live outside `keys` / `values`
+    with pytest.raises(ValueError, match="quantized"):
+        tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate, drafter=ReferenceDrafter(
+            reference), cache_implementation="quantized", cache_config={"backend": "fp8"})  # fmt: skip
 
 
 def test_unsupported_calls_are_refused_in_one_line(tiny_llama):
