@@ -91,6 +91,14 @@ def custom_generate(
 def _validate_generation_config(generation_config, synced_gpus, batch_size):
     if synced_gpus:
         raise ValueError("speculative decoding does not support `synced_gpus=True`")
+    _validate_decoding_mode(generation_config)
+    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
+            raise ValueError(f"`{flag}=True` is not supported by hf-accel's speculative decoding; drop it")
+
+
+def _validate_decoding_mode(generation_config):
+    """Refuses the modes both loops would silently run as greedy search or sampling (beams, contrastive, DoLa, CFG)."""
     if generation_config.num_beams not in (None, 1):
         raise ValueError(f"speculative decoding needs num_beams=1, got {generation_config.num_beams}")
     mode = generation_config.get_generation_mode()
@@ -98,9 +106,6 @@ def _validate_generation_config(generation_config, synced_gpus, batch_size):
         raise ValueError(f"speculative decoding does greedy search or sampling, not {mode.value}; drop its arguments")
     if generation_config.guidance_scale not in (None, 1):
         raise ValueError("`guidance_scale` (classifier-free guidance) is not supported by speculative decoding")
-    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
-        if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
-            raise ValueError(f"`{flag}=True` is not supported by hf-accel's speculative decoding; drop it")
 
 
 def _validate_model_inputs(model, model_kwargs):
@@ -216,6 +221,7 @@ def assisted_generate(
     """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`])."""
     if drafter is None:
         raise ValueError("assisted_generate needs `drafter=`")
+    _validate_decoding_mode(generation_config)
     streamer = streamer if streamer is not None else _find_streamer()
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)

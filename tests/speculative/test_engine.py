@@ -273,10 +273,11 @@ def test_generation_modes_the_engine_cannot_run_are_refused(tiny_llama):
         ({"dola_layers": "high"}, "dola"),
         ({"guidance_scale": 1.5}, "guidance_scale"),  # a stateful processor assuming one new token per call
     ]
-    for kwargs, message in refused:
-        with pytest.raises(ValueError, match=message):
-            tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate,
-                                drafter=ReferenceDrafter(reference), **kwargs)  # fmt: skip
+    for loop in (custom_generate, assisted_generate):
+        for kwargs, message in refused:
+            with pytest.raises(ValueError, match=message):
+                tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=loop,
+                                    drafter=ReferenceDrafter(reference), **kwargs)  # fmt: skip
 
     class OutOfVocabulary(ReferenceDrafter):
         def propose(self, request):
