@@ -365,6 +365,23 @@ def test_repo_generate_turns_stop_strings_into_a_criterion(monkeypatch):
     with pytest.raises(ValueError, match="pass `tokenizer=`"):
         repo_generate.generate(object(), drafter="a drafter", stop_strings=["x"])
 
+    # The first call builds the drafter with the model's own tokenizer; stop strings still need the call's, so the
+    # first and the second call (drafter cached) answer alike.
+    class Model:
+        name_or_path = "a model"
+
+    from transformers import AutoTokenizer
+
+    from hf_accel.speculative import drafters
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *args, **kwargs: tokenizer)
+    monkeypatch.setattr(drafters, "build_drafter", lambda *args: "a drafter")
+    model = Model()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="pass `tokenizer=`"):
+            repo_generate.generate(model, stop_strings=["x"])
+    assert repo_generate._drafters[model] == "a drafter"
+
 
 def test_only_an_hf_accel_card_counts_as_ours(tmp_path):
     write_model_card(tmp_path / "ours", "converted-model", "smollm2-135m")

@@ -32,6 +32,7 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
     from hf_accel.speculative import custom_generate
     from hf_accel.speculative.drafters import build_drafter
 
+    call_tokenizer = tokenizer  # stop strings use only this one, as in `generate`, on every call alike
     if drafter is None:
         drafter = _drafters.get(model)
     if drafter is None:
@@ -53,9 +54,9 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
         config.stop_strings = None
         kwargs["generation_config"] = config
     if stop_strings:
-        if tokenizer is None:
+        if call_tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: pass `tokenizer=` to `generate`")
         criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
-        criteria.append(StopStringCriteria(tokenizer, stop_strings))
+        criteria.append(StopStringCriteria(call_tokenizer, stop_strings))
         kwargs["stopping_criteria"] = criteria
     return GenerationMixin.generate(model, *args, custom_generate=custom_generate, drafter=drafter, **kwargs)
