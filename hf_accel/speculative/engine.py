@@ -380,7 +380,8 @@ class SpeculativeEngine:
         if tree.node_mask is not None:
             node_valid[:, 1:] = tree.node_mask.to(device)
         # Never verify deeper than what can still be committed (max_length).
-        node_valid &= depths[:, :num_nodes] <= (state.max_length - state.lengths[state.rows])[:, None] - 1
+        max_depth = state.max_length - state.lengths[state.rows] - 1  # [B]
+        node_valid &= depths[:, :num_nodes] <= max_depth[:, None]
         self.stats.draft_nodes += int(node_valid[:, 1:].sum())
 
         if parent.shape[1] == 1:
@@ -389,7 +390,10 @@ class SpeculativeEngine:
             mask = None if bool(state.past_mask.all()) else torch.cat([state.past_mask, node_valid], 1).long()
         else:
             mask = build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype)
-        positions = tree_position_ids(depths, state.next_position)
+        # Deeper nodes are never accepted and no kept node sees them: their positions are capped at the deepest
+        # committable one, the last position plain decoding reaches, so that models with a position table (GPT-2,
+        # OPT) are never asked for a position past it.
+        positions = tree_position_ids(depths.clamp(max=max_depth[:, None]), state.next_position)
         if tree.num_aux:
             embeds = self.model.get_input_embeddings()(tree_ids)
             inputs = {"inputs_embeds": torch.cat([embeds, tree.aux_embeds.to(embeds)], dim=1)}
