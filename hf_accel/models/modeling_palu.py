@@ -118,7 +118,7 @@ class PaluAttentionMixin:
         past_key_values=None,
         position_ids: torch.LongTensor | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         key_positions = kwargs.pop("key_positions", None)  # [B, past + q] from hf-accel's engine, or inferred
         bsz, q_len, _ = hidden_states.shape
         query_states = self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)  # [B, H, q, d]
@@ -156,7 +156,8 @@ class PaluAttentionMixin:
             attn_output = (grouped @ latent_v.float()).view(bsz, -1, q_len, self.rank_v)  # [B, H, q, r_v]
 
         attn_output = attn_output.to(hidden_states.dtype).transpose(1, 2).reshape(bsz, q_len, -1)  # [B, q, H·r_v]
-        return self.o_proj(attn_output), None
+        # the attention weights [B, H, q, S], as eager attention returns them (`output_attentions=True` records them)
+        return self.o_proj(attn_output), probs.to(hidden_states.dtype)
 
 
 class PaluLlamaAttention(PaluAttentionMixin, LlamaAttention):

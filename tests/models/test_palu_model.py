@@ -273,3 +273,32 @@ def test_save_artifact_of_an_in_process_model_writes_self_contained_kernels(palu
     )
     text = (out / "palu_kernels.py").read_text()
     assert "# ---- from hf_accel/kernels/quant.py ----" in text
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("quant_bits", [0, 3])
+def test_output_attentions_returns_the_attention_weights(tokenizer, quant_bits):
+    # Palu runs its own (eager) attention; output_attentions=True gave an empty tuple, and generate's attentions too
+    model = make_tiny_llama(**TINY)
+    model.config._attn_implementation = "eager"
+    full, _ = convert_palu(
+        model, tokenizer, kv_keep=1.0, group_size=2, ranks="uniform", quant_bits=quant_bits,
+        calibration_text=CALIB_TEXT, **FAST,
+    )  # fmt: skip
+    input_ids = _ids(2, 7)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :2] = 0
+    got = full(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True).attentions
+    expected = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True).attentions
+    assert len(got) == model.config.num_hidden_layers
+    for layer, (ours, theirs) in enumerate(zip(got, expected)):
+        assert ours.shape == (2, 8, 7, 7)
+        if not quant_bits:  # full rank: the original's attention weights
+            torch.testing.assert_close(ours[0], theirs[0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(ours[1, :, 2:], theirs[1, :, 2:], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.sum(-1)[1, :, 2:], torch.ones(8, 5))  # rows of real queries sum to 1
+    out = full.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+        return_dict_in_generate=True, output_attentions=True,
+    )  # fmt: skip
+    assert [tuple(a.shape) for a in out.attentions[1]] == [(2, 8, 1, 8)] * model.config.num_hidden_layers
