@@ -33,6 +33,7 @@ def _validate_care(config) -> None:
 class CareLlamaConfig(LlamaConfig):
     __doc__ = "Llama with CARE latent K/V caching." + _RANK_HELP
     model_type = "care_llama"
+    _auto_class = "AutoConfig"  # save_pretrained copies this file (see `_auto_class` in modeling_care.py)
     care_k_ranks: list[int] | None = None
     care_v_ranks: list[int] | None = None
     care_absorb_value: bool = False
@@ -46,6 +47,7 @@ class CareLlamaConfig(LlamaConfig):
 class CareMistralConfig(MistralConfig):
     __doc__ = "Mistral with CARE latent K/V caching." + _RANK_HELP
     model_type = "care_mistral"
+    _auto_class = "AutoConfig"  # save_pretrained copies this file (see `_auto_class` in modeling_care.py)
     care_k_ranks: list[int] | None = None
     care_v_ranks: list[int] | None = None
     care_absorb_value: bool = False
@@ -59,6 +61,7 @@ class CareMistralConfig(MistralConfig):
 class CareQwen2Config(Qwen2Config):
     __doc__ = "Qwen2 with CARE latent K/V caching." + _RANK_HELP
     model_type = "care_qwen2"
+    _auto_class = "AutoConfig"  # save_pretrained copies this file (see `_auto_class` in modeling_care.py)
     care_k_ranks: list[int] | None = None
     care_v_ranks: list[int] | None = None
     care_absorb_value: bool = False
@@ -72,6 +75,7 @@ class CareQwen2Config(Qwen2Config):
 class CareQwen3Config(Qwen3Config):
     __doc__ = "Qwen3 (q/k norm) with CARE latent K/V caching." + _RANK_HELP
     model_type = "care_qwen3"
+    _auto_class = "AutoConfig"  # save_pretrained copies this file (see `_auto_class` in modeling_care.py)
     care_k_ranks: list[int] | None = None
     care_v_ranks: list[int] | None = None
     care_absorb_value: bool = False

@@ -34,6 +34,7 @@ class PaluLlamaConfig(LlamaConfig):
     """
 
     model_type = "palu_llama"
+    _auto_class = "AutoConfig"  # save_pretrained copies this file (see `_auto_class` in modeling_palu.py)
     palu_group_size: int = 1
     palu_k_ranks: list[int] | None = None
     palu_v_ranks: list[int] | None = None

@@ -179,6 +179,9 @@ class CareLlamaForCausalLM(LlamaForCausalLM):
     # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
     # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
     _accepts_key_positions = True
+    # Set on a checkpoint's class by from_pretrained; set here too, so that save_pretrained of a model converted in
+    # this process also writes its code files (its config's auto_map names them)
+    _auto_class = "AutoModelForCausalLM"
 
     def __init__(self, config: CareLlamaConfig):
         super().__init__(config)
@@ -191,6 +194,9 @@ class CareMistralForCausalLM(MistralForCausalLM):
     # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
     # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
     _accepts_key_positions = True
+    # Set on a checkpoint's class by from_pretrained; set here too, so that save_pretrained of a model converted in
+    # this process also writes its code files (its config's auto_map names them)
+    _auto_class = "AutoModelForCausalLM"
 
     def __init__(self, config: CareMistralConfig):
         super().__init__(config)
@@ -203,6 +209,9 @@ class CareQwen2ForCausalLM(Qwen2ForCausalLM):
     # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
     # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
     _accepts_key_positions = True
+    # Set on a checkpoint's class by from_pretrained; set here too, so that save_pretrained of a model converted in
+    # this process also writes its code files (its config's auto_map names them)
+    _auto_class = "AutoModelForCausalLM"
 
     def __init__(self, config: CareQwen2Config):
         super().__init__(config)
@@ -215,6 +224,9 @@ class CareQwen3ForCausalLM(Qwen3ForCausalLM):
     # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
     # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
     _accepts_key_positions = True
+    # Set on a checkpoint's class by from_pretrained; set here too, so that save_pretrained of a model converted in
+    # this process also writes its code files (its config's auto_map names them)
+    _auto_class = "AutoModelForCausalLM"
 
     def __init__(self, config: CareQwen3Config):
         super().__init__(config)

@@ -17,6 +17,9 @@ cached tokens are contiguous and end right before the first new token, so cached
 give). This file is copied into converted checkpoints and imports only from torch, transformers and its siblings.
 """
 
+import importlib
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, StaticLayer
@@ -169,6 +172,9 @@ class PaluLlamaForCausalLM(LlamaForCausalLM):
     # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
     # decoding), hf-accel's engine passes every slot's position as `key_positions`.
     _accepts_key_positions = True
+    # Set on a checkpoint's class by from_pretrained; set here too, so that save_pretrained of a model converted in
+    # this process also writes its code files (its config's auto_map names them)
+    _auto_class = "AutoModelForCausalLM"
     # Scores are computed by the Palu kernels, which read transformers' eager (additive) masks
     _supports_sdpa = False
     _supports_flash_attn = False
@@ -179,6 +185,12 @@ class PaluLlamaForCausalLM(LlamaForCausalLM):
         for idx, layer in enumerate(self.model.layers):
             layer.self_attn = PaluLlamaAttention(config, idx)  # diff with LlamaForCausalLM
         self.post_init()
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if __package__ == "hf_accel.models":  # the package's palu_kernels.py, copied above, is a shim over hf_accel
+            palu = importlib.import_module("hf_accel.compress.palu")  # (not an import statement: a checkpoint's
+            palu.write_palu_kernels_file(Path(save_directory) / "palu_kernels.py")  # files must not require hf_accel)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # diff with LlamaForCausalLM: a quantized Palu model decodes into a PaluQuantizedCache

@@ -161,3 +161,32 @@ def test_conversion_keeps_the_model_dtype(family_setup):
     care = convert_care(half, kv_keep=0.5, calibration=calibration, progress=False)
     assert {p.dtype for p in care.parameters()} == {torch.bfloat16}
     assert care.config.dtype == torch.bfloat16
+
+
+def test_save_pretrained_of_an_in_process_conversion_is_self_contained(tmp_path):
+    # convert_care's model saved with save_pretrained: config.json's auto_map names configuration_care.py and
+    # modeling_care.py, which were missing from the folder (it did not load)
+    model = make_tiny("qwen3")
+    care = convert_care(model, kv_keep=0.5, calibration=tiny_calibration(model), progress=False)
+    care.save_pretrained(tmp_path / "care")
+    assert {"configuration_care.py", "modeling_care.py"} <= set(os.listdir(tmp_path / "care"))
+    ids = _ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    with torch.no_grad():
+        torch.save(care(ids).logits, tmp_path / "ref.pt")
+    code = (
+        "import sys, torch\n"
+        "sys.modules['hf_accel'] = None\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'care')!r}, trust_remote_code=True)\n"
+        "with torch.no_grad():\n"
+        f"    logits = m(torch.load({str(tmp_path / 'ids.pt')!r})).logits\n"
+        f"torch.testing.assert_close(logits, torch.load({str(tmp_path / 'ref.pt')!r}), atol=1e-6, rtol=0)\n"
+        "print(type(m).__name__)\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("CareQwen3ForCausalLM")

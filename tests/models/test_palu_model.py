@@ -302,3 +302,16 @@ def test_output_attentions_returns_the_attention_weights(tokenizer, quant_bits):
         return_dict_in_generate=True, output_attentions=True,
     )  # fmt: skip
     assert [tuple(a.shape) for a in out.attentions[1]] == [(2, 8, 1, 8)] * model.config.num_hidden_layers
+
+
+def test_save_pretrained_of_an_in_process_conversion_is_self_contained(palu, tmp_path):
+    # convert_palu's model saved with save_pretrained: the code files its auto_map names were missing, and the
+    # package's palu_kernels.py (a shim importing hf_accel) must not be what the checkpoint gets
+    from tests.tiny_checkpoints import logits_in_fresh_process, sample_logits
+
+    palu.save_pretrained(tmp_path / "palu")
+    assert "# ---- from hf_accel/kernels/quant.py ----" in (tmp_path / "palu" / "palu_kernels.py").read_text()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")
+    logits, name = logits_in_fresh_process(tmp_path / "palu", tmp_path / "logits.pt", env)  # without hf_accel
+    assert name == "PaluLlamaForCausalLM"
+    torch.testing.assert_close(logits, sample_logits(palu), atol=1e-5, rtol=1e-5)
