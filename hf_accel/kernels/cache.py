@@ -27,6 +27,14 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .quant import QuantizedLatents, cat_quantized, quantize_per_token, resolve_group_size, validate_bits
 
 
+def reads_in_full_precision(
+    key_positions: torch.LongTensor, query_positions: torch.LongTensor, residual_length: int
+) -> torch.BoolTensor:
+    """`[B, q, S]`: whether query `i` reads key `j` in full precision, i.e. `position_j > position_i − R` (the window
+    rule of this module's docstring); from its codes otherwise."""
+    return key_positions[:, None, :] > query_positions[:, :, None] - residual_length
+
+
 class PaluQuantizedLayer(DynamicLayer):
     """
     One layer of quantized latents with an optional full-precision window of recent tokens.
@@ -110,8 +118,17 @@ class PaluQuantizedLayer(DynamicLayer):
             self.window_positions = self.window_positions[:, self.window_positions.shape[1] - length :].clone()
 
     def _float_mask(self, query_positions: torch.LongTensor) -> torch.Tensor:
-        # [B, q, W]: query i reads window token j in full precision iff position_j > position_i − R
-        return self.window_positions[:, None, :] > query_positions[:, :, None] - self.residual_length
+        # [B, q, W]: which window tokens each query reads in full precision
+        return reads_in_full_precision(self.window_positions, query_positions, self.residual_length)
+
+    def straight_through(self, states: torch.Tensor) -> torch.Tensor:
+        """
+        `states` as this layer's codes read them back (quantized, then dequantized to float32), with the rounding
+        passed straight through to gradients: codes carry none, so training a quantized model reads latents this way
+        (forward as the cache, backward as float latents).
+        """
+        read = self._quantize(states.detach()).dequantize(torch.float32)
+        return states.float() + (read - states.detach().float())
 
     def release_window(self, key_positions: torch.LongTensor, num_queries: int) -> None:
         """

@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .configuration_palu import PaluLlamaConfig
-from .palu_kernels import PaluQuantizedCache, PaluQuantizedLayer, get_kernel
+from .palu_kernels import PaluQuantizedCache, PaluQuantizedLayer, get_kernel, reads_in_full_precision
 
 
 def _check_dynamic_layer(cache, layer_idx: int) -> None:
@@ -113,6 +113,12 @@ class PaluAttentionMixin:
             layers[self.layer_idx] = self._new_quantized_layer()
         return layers[self.layer_idx]
 
+    def _attend(self, probs: torch.Tensor, latent_v: torch.Tensor) -> torch.Tensor:
+        # probs [B, H, q, S] · value latents [B, n_g, S, r_v], query head h reading group h // (H / n_g)
+        bsz, _, q_len, total = probs.shape
+        grouped = probs.reshape(bsz, self.num_groups, -1, total)  # [B, n_g, H/n_g · q, S]
+        return (grouped @ latent_v.float()).view(bsz, -1, q_len, self.rank_v)  # [B, H, q, r_v]
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -135,7 +141,8 @@ class PaluAttentionMixin:
         rope = {"attention_scaling": self.rotary_emb.attention_scaling, "scaling": self.scaling}
         inv_freq = self.rotary_emb.inv_freq
 
-        if self.config.palu_quant_bits:
+        quantized = self.config.palu_quant_bits
+        if quantized and (past_key_values is not None or not torch.is_grad_enabled()):
             layer = self._quantized_layer(past_key_values)
             past_len = layer.get_seq_length()
             positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)
@@ -152,11 +159,23 @@ class PaluAttentionMixin:
                 latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
             positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)
             kernel = get_kernel("rope_key_scores", backend)
+            full_precision = None  # [B, 1, q, S]: the reads a quantized model's full-precision window serves
+            if quantized:  # training (gradients on, no cache): the cache's reads, rounding passed straight through
+                layer, float_k, float_v = self._new_quantized_layer(), latent_k, latent_v
+                latent_k, latent_v = layer.straight_through(latent_k), layer.straight_through(latent_v)
+                if layer.residual_length:
+                    full_precision = reads_in_full_precision(positions, positions[:, -q_len:], layer.residual_length)
+                    full_precision = full_precision[:, None]
             scores = kernel(query_states, latent_k, self.k_up, positions, inv_freq, **rope)  # [B, H, q, S]
+            if full_precision is not None:
+                float_scores = kernel(query_states, float_k, self.k_up, positions, inv_freq, **rope)
+                scores = torch.where(full_precision, float_scores, scores)
             probs = _masked_softmax(scores, attention_mask, past_len)
-            total = probs.shape[-1]
-            grouped = probs.reshape(bsz, self.num_groups, -1, total)  # [B, n_g, H/n_g · q, S]
-            attn_output = (grouped @ latent_v.float()).view(bsz, -1, q_len, self.rank_v)  # [B, H, q, r_v]
+            if full_precision is None:
+                attn_output = self._attend(probs, latent_v)  # [B, H, q, r_v]
+            else:
+                attn_output = self._attend(probs.masked_fill(full_precision, 0.0), latent_v)
+                attn_output = attn_output + self._attend(probs.masked_fill(~full_precision, 0.0), float_v)
 
         attn_output = attn_output.to(hidden_states.dtype).transpose(1, 2).reshape(bsz, q_len, -1)  # [B, q, H·r_v]
         # the attention weights [B, H, q, S], as eager attention returns them (`output_attentions=True` records them)

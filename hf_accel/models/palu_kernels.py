@@ -6,7 +6,7 @@ eager reference kernels, registry and `PaluQuantizedCache`), so the checkpoint l
 """
 
 from hf_accel.kernels import get_kernel
-from hf_accel.kernels.cache import PaluQuantizedCache, PaluQuantizedLayer
+from hf_accel.kernels.cache import PaluQuantizedCache, PaluQuantizedLayer, reads_in_full_precision
 
 
-__all__ = ["PaluQuantizedCache", "PaluQuantizedLayer", "get_kernel"]
+__all__ = ["PaluQuantizedCache", "PaluQuantizedLayer", "get_kernel", "reads_in_full_precision"]

@@ -306,3 +306,14 @@ def test_the_empty_window_holds_no_prefill_memory():
     layer.update(k, v)
     assert layer.keys.shape[-2] == 0 and layer.values.shape[-2] == 0
     assert layer.keys.untyped_storage().nbytes() == 0 and layer.values.untyped_storage().nbytes() == 0
+
+
+def test_straight_through_reads_the_codes_forward_and_passes_gradients_back():
+    layer = PaluQuantizedLayer(bits=3)
+    states = torch.randn(2, 3, 5, 8, requires_grad=True)
+    read = layer.straight_through(states)
+    expected = layer._quantize(states.detach()).dequantize(torch.float32)
+    torch.testing.assert_close(read, expected, rtol=0, atol=1e-6)
+    weights = torch.randn_like(read)
+    (read * weights).sum().backward()
+    assert torch.equal(states.grad, weights)  # the identity: rounding is skipped in the backward pass

@@ -315,3 +315,34 @@ def test_save_pretrained_of_an_in_process_conversion_is_self_contained(palu, tmp
     logits, name = logits_in_fresh_process(tmp_path / "palu", tmp_path / "logits.pt", env)  # without hf_accel
     assert name == "PaluLlamaForCausalLM"
     torch.testing.assert_close(logits, sample_logits(palu), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("residual_length", [0, 4])
+def test_training_reads_quantized_latents_with_straight_through_gradients(palu, residual_length):
+    """With gradients on and no cache (training), a quantized model reads what its cache would (same logits) and
+    its down-projections get the float model's gradient direction: codes carry no gradient, the rounding passes it
+    straight through (without it, the value path's gradient only reached `v_down` through each token's min/max)."""
+    if not palu.config.palu_quant_bits:
+        pytest.skip("float latents have no quantizer")
+    ids = _ids(2, 24, seed=7)
+    attn = palu.model.layers[0].self_attn
+
+    def down_grads(bits):
+        palu.config.palu_quant_bits = bits
+        palu.zero_grad()
+        out = palu(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        return out.logits.detach(), attn.k_down.weight.grad.clone(), attn.v_down.weight.grad.clone()
+
+    palu.config.palu_residual_length = residual_length
+    try:
+        with torch.no_grad():
+            cached_logits = palu(input_ids=ids, use_cache=False).logits  # the quantized cache's kernels
+        logits, k_grad, v_grad = down_grads(3)
+        _, float_k_grad, float_v_grad = down_grads(0)
+    finally:
+        palu.config.palu_quant_bits, palu.config.palu_residual_length = 3, 0
+        palu.zero_grad(set_to_none=True)
+    torch.testing.assert_close(logits, cached_logits, rtol=1e-5, atol=1e-5)
+    for grad, reference in ((k_grad, float_k_grad), (v_grad, float_v_grad)):
+        assert torch.nn.functional.cosine_similarity(grad.flatten(), reference.flatten(), dim=0) > 0.9
