@@ -267,7 +267,8 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
     assert summary["residual_length"] == 4 and summary["window_bytes_per_sequence"] == 4 * rank_sum * 4
     config = json.loads((out / "config.json").read_text())
     assert config["palu_quant_group_size"] == 2 and config["palu_residual_length"] == 4
-    assert f"`window_bytes_per_sequence` | `{summary['window_bytes_per_sequence']}`" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert f"`window_bytes_per_sequence` | `{summary['window_bytes_per_sequence']} (float32)`" in card
     names = {p.name for p in out.iterdir()}
     assert {
         "config.json",
