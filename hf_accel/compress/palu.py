@@ -637,7 +637,8 @@ def save_palu(
         settings = {k: info["settings"][k] for k in keys}
         settings.update(kv_keep_achieved=round(info["kv_keep_achieved"], 4), grouping=info["grouping"])
         if info["settings"]["residual_length"]:  # the card's bytes per token leave out this fixed cost
-            dtype = str(palu_model.dtype).removeprefix("torch.")  # the card's table counts 16-bit floats; this does not
+            # in the checkpoint's dtype, named (the card's bytes table counts 16-bit floats)
+            dtype = str(palu_model.dtype).removeprefix("torch.")
             settings["window_bytes_per_sequence"] = f"{info['window_bytes_per_sequence']} ({dtype})"
         save_artifact(
             tmp,

@@ -63,6 +63,10 @@ class CareAttentionMixin:
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
+        if config.care_k_ranks is None or config.care_v_ranks is None:
+            raise ValueError(
+                "this model needs `care_k_ranks` and `care_v_ranks` in its config (`hf-accel convert care` writes them)"
+            )
         rank_k, rank_v = config.care_k_ranks[layer_idx], config.care_v_ranks[layer_idx]
         hidden, width = self.k_proj.in_features, self.k_proj.out_features
         kv_bias = self.k_proj.bias is not None

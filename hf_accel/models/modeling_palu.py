@@ -82,6 +82,10 @@ class PaluAttentionMixin:
         hidden = self.q_proj.in_features
         self.group_size = config.palu_group_size
         self.num_groups = config.num_key_value_heads // self.group_size
+        if config.palu_k_ranks is None or config.palu_v_ranks is None:
+            raise ValueError(
+                "this model needs `palu_k_ranks` and `palu_v_ranks` in its config (`hf-accel convert palu` writes them)"
+            )
         self.rank_k, self.rank_v = config.palu_k_ranks[layer_idx], config.palu_v_ranks[layer_idx]
         # diff with LlamaAttention: k_proj / v_proj → grouped latent down-projections A^k, A^v (all groups stacked)
         del self.k_proj, self.v_proj

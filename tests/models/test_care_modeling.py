@@ -190,3 +190,12 @@ def test_save_pretrained_of_an_in_process_conversion_is_self_contained(tmp_path)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("CareQwen3ForCausalLM")
+
+
+def test_a_config_without_ranks_is_refused_in_one_line():
+    from hf_accel.models.configuration_care import CareLlamaConfig
+    from hf_accel.models.modeling_care import CareLlamaForCausalLM
+
+    config = CareLlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError, match="needs `care_k_ranks` and `care_v_ranks`"):
+        CareLlamaForCausalLM(config)

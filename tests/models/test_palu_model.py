@@ -346,3 +346,12 @@ def test_training_reads_quantized_latents_with_straight_through_gradients(palu, 
     torch.testing.assert_close(logits, cached_logits, rtol=1e-5, atol=1e-5)
     for grad, reference in ((k_grad, float_k_grad), (v_grad, float_v_grad)):
         assert torch.nn.functional.cosine_similarity(grad.flatten(), reference.flatten(), dim=0) > 0.9
+
+
+def test_a_config_without_ranks_is_refused_in_one_line():
+    from hf_accel.models.configuration_palu import PaluLlamaConfig
+    from hf_accel.models.modeling_palu import PaluLlamaForCausalLM
+
+    config = PaluLlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError, match="needs `palu_k_ranks` and `palu_v_ranks`"):
+        PaluLlamaForCausalLM(config)
