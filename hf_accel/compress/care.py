@@ -26,7 +26,14 @@ import torch
 from tqdm.auto import tqdm
 
 from .calibration import KvCalibration, collect_kv_calibration
-from .export import atomic_output_dir, copy_remote_code, load_converted_state, plot_ranks, write_json
+from .export import (
+    atomic_output_dir,
+    check_rope_type,
+    copy_remote_code,
+    load_converted_state,
+    plot_ranks,
+    write_json,
+)
 from .factorize import asvd_scale, factorize, shrink_moment, symmetric_sqrt, whitened_factorize
 from .ranks import budget_from_kv_keep, raw_sigma_gains, relative_energy_gains, uniform_ranks, water_fill
 
@@ -68,6 +75,7 @@ def model_family(model) -> str:
     model_type = getattr(model.config, "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(f"CARE does not know model family {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    check_rope_type(model.config, "CARE")
     return model_type
 
 

@@ -31,6 +31,20 @@ def card_base_model(name: str) -> str:
         ) from None
 
 
+# RoPE whose frequencies change with the sequence length at run time: CARE and Palu models RoPE cached keys at
+# attention time with the current frequencies, the original keeps each key as rotated when it was cached, so the two
+# would drift apart past the trained length.
+RUNTIME_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def check_rope_type(config, converter: str) -> None:
+    """Refuses, in one line, a model whose RoPE frequencies change at run time ([`RUNTIME_ROPE_TYPES`])."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type in RUNTIME_ROPE_TYPES:
+        raise ValueError(f"{converter} does not support rope_type {rope_type!r} (frequencies that change at run time)")
+
+
 def check_source_model(name: str, path: str) -> None:
     """Refuses, in one line, a directory that holds no model, and a checkpoint that is already converted (it ships its
     own modeling code)."""

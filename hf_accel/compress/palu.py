@@ -29,7 +29,14 @@ from .calibration import (
     load_calibration_ids,
     tokenize_calibration_text,
 )
-from .export import atomic_output_dir, card_base_model, check_output_dir, check_source_model, load_converted_state
+from .export import (
+    atomic_output_dir,
+    card_base_model,
+    check_output_dir,
+    check_rope_type,
+    check_source_model,
+    load_converted_state,
+)
 from .factorize import factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
 from .ranks import water_fill
@@ -250,11 +257,6 @@ def default_group_size(num_key_value_heads: int, preferred: int = 4) -> int:
     return max(s for s in range(1, min(preferred, num_key_value_heads) + 1) if num_key_value_heads % s == 0)
 
 
-# RoPE whose frequencies change with the sequence length at run time: the keys are RoPE'd at attention time from
-# latents with the layer's fixed frequencies, so these would drift from the original model past the trained length.
-_RUNTIME_ROPE_TYPES = ("dynamic", "longrope")
-
-
 def check_palu_model(model, conversion: PaluConversionConfig) -> int:
     """Refuses, in one line, a model or settings Palu cannot convert (before any calibration); returns the group size
     (`conversion.group_size`, or [`default_group_size`] when it is `None`)."""
@@ -263,10 +265,7 @@ def check_palu_model(model, conversion: PaluConversionConfig) -> int:
         raise ValueError(f"Palu supports the llama model family, got {getattr(cfg, 'model_type', None)!r}")
     if getattr(cfg, "attention_bias", False):
         raise ValueError("Palu does not support attention biases (attention_bias=True)")
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type in _RUNTIME_ROPE_TYPES:
-        raise ValueError(f"Palu does not support rope_type {rope_type!r} (frequencies that change at run time)")
+    check_rope_type(cfg, "Palu")
     n_kv = cfg.num_key_value_heads
     group_size = conversion.group_size or default_group_size(n_kv)
     if n_kv % group_size:

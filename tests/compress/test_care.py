@@ -269,3 +269,12 @@ def test_kv_keep_is_a_fraction_of_the_cache_width_when_it_exceeds_the_hidden_siz
     result = run_care_conversion(model, None, config, tiny_calibration(model), False)
     assert result.summary()["kv_keep_achieved"] == 0.5
     assert kv_cache_bytes_per_token(result.model) == kv_cache_bytes_per_token(model) // 2
+
+
+def test_rope_that_changes_at_run_time_is_refused():
+    # cached keys are RoPE'd at attention time with the current frequencies: dynamic NTK would drift from the
+    # original past the trained length (the original keeps each key as rotated when cached)
+    parameters = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    model = make_tiny("llama", rope_parameters=parameters, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="CARE does not support rope_type 'dynamic'"):
+        convert_care(model, kv_keep=0.5, method="svd", progress=False)
