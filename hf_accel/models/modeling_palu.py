@@ -146,8 +146,10 @@ class PaluAttentionMixin:
         inv_freq = self.rotary_emb.inv_freq
 
         quantized = self.config.palu_quant_bits
-        if quantized and (past_key_values is not None or not torch.is_grad_enabled()):
-            layer = self._quantized_layer(past_key_values)
+        layer = self._quantized_layer(past_key_values) if quantized else None
+        # with gradients on and nothing cached yet (training, whether or not the model made itself a cache), the
+        # straight-through path below: the cache path reads codes, which carry no gradient
+        if quantized and (layer.get_seq_length() > 0 or not torch.is_grad_enabled()):
             past_len = layer.get_seq_length()
             positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)
             layer.append(latent_k, latent_v, positions[:, past_len:])  # each new token is quantized once
@@ -157,15 +159,18 @@ class PaluAttentionMixin:
             layer.release_window(positions, q_len)  # what no later query reads (any pass may be rolled back)
         else:
             past_len = 0
-            if past_key_values is not None:
+            if past_key_values is not None and not quantized:
                 _check_dynamic_layer(past_key_values, self.layer_idx)
                 past_len = past_key_values.get_seq_length(self.layer_idx)
                 latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
             positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)
             kernel = get_kernel("rope_key_scores", backend)
             full_precision = None  # [B, 1, q, S]: the reads a quantized model's full-precision window serves
-            if quantized:  # training (gradients on, no cache): the cache's reads, rounding passed straight through
-                layer, float_k, float_v = self._new_quantized_layer(), latent_k, latent_v
+            if quantized:  # training (gradients on, empty cache): the cache's reads, rounding passed straight through
+                if past_key_values is not None:  # the cache keeps what the cache path would have stored
+                    layer.append(latent_k, latent_v, positions)
+                    layer.release_window(positions, q_len)
+                float_k, float_v = latent_k, latent_v
                 latent_k, latent_v = layer.straight_through(latent_k), layer.straight_through(latent_v)
                 if layer.residual_length:
                     full_precision = reads_in_full_precision(positions, positions[:, -q_len:], layer.residual_length)

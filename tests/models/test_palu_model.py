@@ -355,3 +355,34 @@ def test_a_config_without_ranks_is_refused_in_one_line():
     config = PaluLlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     with pytest.raises(ValueError, match="needs `palu_k_ranks` and `palu_v_ranks`"):
         PaluLlamaForCausalLM(config)
+
+
+def test_training_with_the_models_own_cache_also_reads_straight_through(palu):
+    # a plain training loop leaves use_cache at the config's True, so the model makes itself a cache: that forward
+    # took the cache path, whose codes carry no gradient (v_down's gradient at cosine 0.3 to the float model's)
+    if not palu.config.palu_quant_bits:
+        pytest.skip("float latents have no quantizer")
+    ids = _ids(2, 24, seed=7)
+    attn = palu.model.layers[0].self_attn
+
+    def forward(**kwargs):
+        palu.zero_grad()
+        out = palu(input_ids=ids, labels=ids, **kwargs)
+        out.loss.backward()
+        return out, attn.v_down.weight.grad.clone()
+
+    palu.config.palu_residual_length = 4
+    try:
+        cached, v_grad = forward()
+        _, reference = forward(use_cache=False)
+        with torch.no_grad():
+            prefill = palu(input_ids=ids)
+            step = torch.tensor([[5], [6]])
+            expected = palu(input_ids=step, past_key_values=prefill.past_key_values).logits
+            got = palu(input_ids=step, past_key_values=cached.past_key_values).logits
+    finally:
+        palu.config.palu_residual_length = 0
+        palu.zero_grad(set_to_none=True)
+    assert isinstance(cached.past_key_values.layers[0], type(prefill.past_key_values.layers[0]))
+    torch.testing.assert_close(v_grad, reference)
+    torch.testing.assert_close(got, expected)  # the cache it filled decodes as a no-grad prefill's does
