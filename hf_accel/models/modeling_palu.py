@@ -216,9 +216,12 @@ class PaluLlamaForCausalLM(LlamaForCausalLM):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         super().save_pretrained(save_directory, *args, **kwargs)
-        if __package__ == "hf_accel.models":  # the package's palu_kernels.py, copied above, is a shim over hf_accel
-            palu = importlib.import_module("hf_accel.compress.palu")  # (not an import statement: a checkpoint's
-            palu.write_palu_kernels_file(Path(save_directory) / "palu_kernels.py")  # files must not require hf_accel)
+        _write_own_kernels(save_directory)
+
+    def _upload_modified_files(self, working_dir, *args, **kwargs):
+        # save_pretrained(push_to_hub=True) uploads before it returns: the kernels must be self-contained by then
+        _write_own_kernels(working_dir)
+        return super()._upload_modified_files(working_dir, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # diff with LlamaForCausalLM: a quantized Palu model decodes into a PaluQuantizedCache
@@ -230,6 +233,12 @@ class PaluLlamaForCausalLM(LlamaForCausalLM):
             and not getattr(cache, "_is_user_defined", False)
         ):
             model_kwargs["past_key_values"] = make_palu_cache(self.config)
+
+
+def _write_own_kernels(folder) -> None:
+    if __package__ == "hf_accel.models":  # the package's palu_kernels.py, copied by save_pretrained, is a shim over
+        palu = importlib.import_module("hf_accel.compress.palu")  # hf_accel (not an import statement: a checkpoint's
+        palu.write_palu_kernels_file(Path(folder) / "palu_kernels.py")  # files must not require hf_accel)
 
 
 def make_palu_cache(config):

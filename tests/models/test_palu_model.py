@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -386,3 +387,20 @@ def test_training_with_the_models_own_cache_also_reads_straight_through(palu):
     assert isinstance(cached.past_key_values.layers[0], type(prefill.past_key_values.layers[0]))
     torch.testing.assert_close(v_grad, reference)
     torch.testing.assert_close(got, expected)  # the cache it filled decodes as a no-grad prefill's does
+
+
+def test_save_pretrained_with_push_to_hub_uploads_the_self_contained_kernels(palu, tmp_path, monkeypatch):
+    # transformers uploads inside save_pretrained, before the override replaced the package's palu_kernels.py (a
+    # shim importing hf_accel): the repository got the shim
+    from huggingface_hub import HfApi, RepoUrl
+    from transformers.utils.hub import PushToHubMixin
+
+    uploaded = {}
+
+    def upload(self, working_dir, repo_id, files_timestamps, **kwargs):
+        uploaded[repo_id] = (Path(working_dir) / "palu_kernels.py").read_text()
+
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: RepoUrl(f"https://huggingface.co/{repo_id}"))
+    monkeypatch.setattr(PushToHubMixin, "_upload_modified_files", upload)
+    palu.save_pretrained(tmp_path / "palu", push_to_hub=True, repo_id="me/palu")
+    assert "# ---- from hf_accel/kernels/quant.py ----" in uploaded["me/palu"]
