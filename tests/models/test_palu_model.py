@@ -404,3 +404,27 @@ def test_save_pretrained_with_push_to_hub_uploads_the_self_contained_kernels(pal
     monkeypatch.setattr(PushToHubMixin, "_upload_modified_files", upload)
     palu.save_pretrained(tmp_path / "palu", push_to_hub=True, repo_id="me/palu")
     assert "# ---- from hf_accel/kernels/quant.py ----" in uploaded["me/palu"]
+
+
+def test_training_with_the_triton_backend_differentiates_the_scores(palu, monkeypatch):
+    # the Triton kernels write their result into a fresh tensor, with no backward: trained with
+    # palu_kernel_backend='triton', queries, k_down and k_up silently got no gradient through the scores
+    from hf_accel.kernels import registry
+    from hf_accel.kernels.reference import rope_key_scores
+
+    def without_autograd(*args, **kwargs):  # what a kernel launch returns
+        return rope_key_scores(*args, **kwargs).detach()
+
+    monkeypatch.setitem(registry._KERNEL_LOADERS["rope_key_scores"], "triton", lambda: without_autograd)
+    ids = _ids(2, 12, seed=3)
+    attn = palu.model.layers[0].self_attn
+    grads = {}
+    for backend in ("eager", "triton"):
+        palu.config.palu_kernel_backend = backend
+        palu.zero_grad()
+        palu(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        grads[backend] = attn.k_up.grad.clone(), attn.q_proj.weight.grad.clone()
+    palu.config.palu_kernel_backend = "eager"
+    palu.zero_grad(set_to_none=True)
+    for got, expected in zip(grads["triton"], grads["eager"]):
+        torch.testing.assert_close(got, expected)
