@@ -564,7 +564,6 @@ def expected_cache_bytes_per_token(config, float_bytes: int = 2) -> float:
 # Saving: a self-contained trust_remote_code checkpoint
 
 
-_KERNEL_SOURCES = ("quant.py", "reference.py", "registry.py", "cache.py")
 _KERNEL_REGISTRATION = """
 
 # ---- registration (as hf_accel/kernels/__init__.py) ----
@@ -580,10 +579,13 @@ for _name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
     register_kernel(_name, "eager", _eager_loader(_name))
     register_kernel(_name, "triton", lambda: _missing_triton)
 
-try:  # with hf_accel installed, its kernels (Triton included) and cache classes replace the copies above
-    from hf_accel.kernels import get_kernel  # noqa: F811
-    from hf_accel.kernels.cache import PaluQuantizedCache, PaluQuantizedLayer  # noqa: F811
-except ImportError:
+try:  # with hf_accel installed from the same sources, its kernels (Triton included) and cache classes replace the copies
+    from hf_accel.kernels import checkpoint_sources_hash
+
+    if checkpoint_sources_hash() == _SOURCES_HASH:
+        from hf_accel.kernels import get_kernel  # noqa: F811
+        from hf_accel.kernels.cache import PaluQuantizedCache, PaluQuantizedLayer  # noqa: F811
+except ImportError:  # no hf_accel, or one older than the sources hash
     pass
 """
 
@@ -592,11 +594,15 @@ def write_palu_kernels_file(path: str | Path) -> Path:
     """
     Write a self-contained `palu_kernels.py` for a checkpoint: the sources of `hf_accel/kernels/{quant, reference,
     registry, cache}.py` in one flat module (their relative imports dropped) plus the eager registration. Where
-    hf_accel is installed, the file uses hf_accel's own kernels and cache instead (and so its Triton backend).
+    hf_accel is installed from the same sources ([`~hf_accel.kernels.checkpoint_sources_hash`]), the file uses its
+    kernels and cache instead (and so its Triton backend); another version's could differ from this modeling code.
     """
+    from ..kernels import CHECKPOINT_SOURCES, checkpoint_sources_hash
+
     kernels_dir = Path(__file__).resolve().parents[1] / "kernels"
     parts = ['"""Palu kernels and quantized cache, copied from hf_accel.kernels by the Palu converter."""\n']
-    for name in _KERNEL_SOURCES:
+    parts.append(f"\n_SOURCES_HASH = {checkpoint_sources_hash()!r}  # of the sources below (hf_accel.kernels)\n")
+    for name in CHECKPOINT_SOURCES:
         source = (kernels_dir / name).read_text(encoding="utf-8")
         if re.search(r"^\s*from \.\w* import \($", source, flags=re.MULTILINE):
             raise RuntimeError(f"hf_accel/kernels/{name} has a multi-line relative import; flatten it")

@@ -14,9 +14,26 @@ Palu pieces (spec 002), for the converter and the Palu attention:
   `dequantize_attend` (probabilities × packed value latents).
 """
 
+import hashlib
 import importlib.util
+from pathlib import Path
 
 from .registry import get_kernel, list_kernels, register_kernel, resolve_auto_backend
+
+
+# The modules a converted Palu checkpoint's self-contained `palu_kernels.py` is written from
+# (`hf_accel.compress.palu.write_palu_kernels_file`).
+CHECKPOINT_SOURCES = ("quant.py", "reference.py", "registry.py", "cache.py")
+
+
+def checkpoint_sources_hash() -> str:
+    """sha256 of [`CHECKPOINT_SOURCES`]: a checkpoint written from the same sources uses this package's kernels (and so
+    its Triton backend) and cache classes instead of its own copies; one from other sources (an older or newer
+    hf_accel) keeps its copies, which match its modeling code."""
+    digest = hashlib.sha256()
+    for name in CHECKPOINT_SOURCES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()
 
 
 def is_triton_available() -> bool:
@@ -52,4 +69,12 @@ for _name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
     register_kernel(_name, "eager", _eager_loader(_name))
     register_kernel(_name, "triton", _triton_loader(_name))
 
-__all__ = ["get_kernel", "is_triton_available", "list_kernels", "register_kernel", "resolve_auto_backend"]
+__all__ = [
+    "CHECKPOINT_SOURCES",
+    "checkpoint_sources_hash",
+    "get_kernel",
+    "is_triton_available",
+    "list_kernels",
+    "register_kernel",
+    "resolve_auto_backend",
+]

@@ -428,3 +428,24 @@ def test_training_with_the_triton_backend_differentiates_the_scores(palu, monkey
     palu.zero_grad(set_to_none=True)
     for got, expected in zip(grads["triton"], grads["eager"]):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("same_sources", [True, False])
+def test_checkpoint_kernels_use_the_installed_ones_only_from_the_same_sources(tmp_path, same_sources):
+    # another hf_accel version's cache class may lack what this checkpoint's modeling code calls (e.g. a layer
+    # without `straight_through`): its own copies are kept then
+    import importlib.util
+
+    from hf_accel.compress.palu import write_palu_kernels_file
+    from hf_accel.kernels.cache import PaluQuantizedLayer as Installed
+
+    path = write_palu_kernels_file(tmp_path / "palu_kernels.py")
+    if not same_sources:
+        text = path.read_text()
+        assert "\n_SOURCES_HASH = '" in text
+        path.write_text(text.replace("\n_SOURCES_HASH = '", "\n_SOURCES_HASH = 'other-", 1))
+    spec = importlib.util.spec_from_file_location(f"checkpoint_kernels_{same_sources}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (module.PaluQuantizedLayer is Installed) == same_sources
+    assert hasattr(module.PaluQuantizedLayer, "straight_through") and callable(module.reads_in_full_precision)
