@@ -113,6 +113,14 @@ def test_batched_left_padded_generate_matches_single_rows(family_setup):
     assert torch.equal(batched[1, 4:], single_short[0])
 
 
+def _run_offline(code: str, cwd) -> str:
+    """Runs `code` in a fresh Python process, offline and without this checkout on the path; returns its stdout."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=cwd, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip()
+
+
 def test_saved_checkpoint_loads_in_fresh_process(tmp_path):
     """save → AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) in a new interpreter → same logits."""
     ids = _ids()
@@ -136,12 +144,7 @@ def test_saved_checkpoint_loads_in_fresh_process(tmp_path):
         "        torch.testing.assert_close(m(ids).logits, ref, atol=1e-6, rtol=0)\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("ok")
+    assert _run_offline(code, tmp_path).endswith("ok")
     assert {"care_ranks.json", "care_ranks.png", "README.md", "modeling_care.py"} <= set(
         os.listdir(tmp_path / "llama")
     )
@@ -184,12 +187,7 @@ def test_save_pretrained_of_an_in_process_conversion_is_self_contained(tmp_path)
         f"torch.testing.assert_close(logits, torch.load({str(tmp_path / 'ref.pt')!r}), atol=1e-6, rtol=0)\n"
         "print(type(m).__name__)\n"
     )
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("CareQwen3ForCausalLM")
+    assert _run_offline(code, tmp_path).endswith("CareQwen3ForCausalLM")
 
 
 def test_a_config_without_ranks_is_refused_in_one_line():
