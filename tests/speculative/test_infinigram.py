@@ -348,6 +348,14 @@ def test_self_distill_resumes_after_a_truncated_last_line(tiny_llama, tmp_path):
     again = self_distill(tiny_llama, Tok(), prompts, tmp_path, max_new_tokens=4, batch_size=2, use_speculation=False)
     assert again == answers
     assert len(cache.read_text().splitlines()) == 3
+    cache.write_text("".join(lines).rstrip("\n"))  # saved by hand without a final newline: every record kept
+
+    class NothingToGenerate(Tok):
+        def __call__(self, texts, **kwargs):
+            raise AssertionError(f"regenerated {texts}")
+
+    cached = self_distill(tiny_llama, NothingToGenerate(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)
+    assert cached == answers and cache.read_text() == "".join(lines)
     cache.write_text("not json\n")
     with pytest.raises(ValueError, match="line 1 is not a self-distillation record"):
         self_distill(tiny_llama, Tok(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)

@@ -191,14 +191,21 @@ def self_distill(
 
 def _read_self_distill_cache(cache_file: Path) -> tuple[dict[str, dict], int]:
     """Records already in the cache, by key (the last one of a key wins), and the number of records read. A last line
-    cut short by an interruption is dropped from the file, so that the next answer starts on a line of its own."""
+    cut short by an interruption is dropped from the file, so that the next answer starts on a line of its own; a
+    whole record only missing its newline (a file saved by hand) gets one."""
     if not cache_file.is_file():
         return {}, 0
     data = cache_file.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
     if len(complete) < len(data):
-        with open(cache_file, "r+b") as f:
-            f.truncate(len(complete))
+        try:
+            json.loads(data[len(complete) :])
+            complete = data + b"\n"
+            with open(cache_file, "ab") as f:
+                f.write(b"\n")
+        except ValueError:
+            with open(cache_file, "r+b") as f:
+                f.truncate(len(complete))
     done, count = {}, 0
     for number, line in enumerate(complete.decode("utf-8").splitlines(), 1):
         if line.strip():
