@@ -435,6 +435,18 @@ def test_text_files_are_tokenized_in_chunks_as_a_whole(tmp_path):
     path.write_text("x" * 60)  # no break at all: cut at the size
     pieces = next(iter_text_file_documents([path], tokenizer, chunk_chars=25))
     assert tokenizer.decode(pieces) == "x" * 60
+    # whitespace runs longer than a chunk (a cut inside one changes how the tokenizer splits it): the chunk grows
+    long_runs = (
+        "word " + " " * 100 + "next word here\n" * 50,
+        "alpha beta " * 30 + " " * 600 + "gamma delta\n" * 40,
+        "alpha beta. " * 30 + "\n" * 600 + "gamma delta\n" * 40,
+        ("def f():\n" + " " * 400 + "return 1\n") * 10,
+    )
+    for text in long_runs:
+        path.write_text(text)
+        whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for chunk_chars in (100, 300):
+            assert next(iter_text_file_documents([path], tokenizer, chunk_chars=chunk_chars)) == whole
 
 
 def test_text_file_chunks_keep_the_tokens_of_a_llama3_style_tokenizer(tmp_path):

@@ -14,6 +14,7 @@ rerun skips them.
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -51,23 +52,21 @@ def iter_text_file_documents(
 
 
 def _chunk_end(text: str, start: int, end: int, tokenizer, margin: int = 256) -> int:
-    """Where a chunk of `text` beginning at `start` ends, at most about `end`: the first cut, of those around the last
-    line break and then the last space before `end`, whose neighbourhood of `margin` characters tokenizes whole as its
-    two sides do; the first candidate if none does (a tokenizer that adds a prefix space to every call), `end` if
-    there is no whitespace at all."""
+    """Where a chunk of `text` beginning at `start` ends, about `end`: the first cut, of those around the last line
+    break and then the last space before `end`, whose neighbourhood of `margin` characters tokenizes whole as its two
+    sides do. When none does because the chunk's end lies in a whitespace run (or word) longer than the chunk, the
+    chunk grows to the first run after a word past `end`. If no cut passes (a tokenizer that adds a prefix space to
+    every call), the first candidate; `end` if there is no whitespace at all."""
     if end >= len(text):
         return len(text)
     candidates = []
     for separator in ("\n", " "):
-        cut = text.rfind(separator, start + 1, end)
-        before = cut  # the start of the whitespace run
-        while before > start and text[before - 1].isspace():
-            before -= 1
-        after = cut  # past the line breaks (not the indentation after them)
-        while 0 <= after < len(text) and text[after] in "\r\n":
-            after += 1
-        candidates += [c for c in (before, after) if start < c < len(text) and c not in candidates]
-    for candidate in candidates:
+        candidates += [
+            c for c in _cuts_at_run(text, start, text.rfind(separator, start + 1, end)) if c not in candidates
+        ]
+    word_then_space = re.compile(r"\S(?=\s)").search(text, end)
+    later = _cuts_at_run(text, start, word_then_space.end()) if word_then_space else []
+    for candidate in candidates + [c for c in later if c not in candidates]:
         window = text[max(start, candidate - margin) : candidate + margin]
         left = candidate - max(start, candidate - margin)
         pieces = [
@@ -76,6 +75,22 @@ def _chunk_end(text: str, start: int, end: int, tokenizer, margin: int = 256) ->
         if pieces[0] == pieces[1] + pieces[2]:
             return candidate
     return candidates[0] if candidates else end
+
+
+def _cuts_at_run(text: str, start: int, cut: int) -> list[int]:
+    """Cuts for the whitespace at `cut` (`-1`: none): before its run (GPT-2, SmolLM) and past its line breaks (Llama 3,
+    Qwen), those after `start` and not inside a run of spaces (a run that began before `start`: how a tokenizer splits
+    a long run depends on its end, which a window inside it does not see)."""
+    if cut < 0:
+        return []
+    before = cut  # the start of the whitespace run
+    while before > start and text[before - 1].isspace():
+        before -= 1
+    after = cut  # past the line breaks (not the indentation after them)
+    while after < len(text) and text[after] in "\r\n":
+        after += 1
+    inside_run = lambda c: text[c - 1].isspace() and text[c - 1] not in "\r\n" and text[c].isspace()
+    return [c for c in dict.fromkeys((before, after)) if start < c < len(text) and not inside_run(c)]
 
 
 def iter_dataset_documents(
