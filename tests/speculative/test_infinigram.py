@@ -432,6 +432,8 @@ def test_text_files_are_tokenized_in_chunks_as_a_whole(tmp_path):
         whole = tokenizer(text, add_special_tokens=False)["input_ids"]
         for chunk_chars in (500, 2000):
             assert next(iter_text_file_documents([path], tokenizer, chunk_chars=chunk_chars)) == whole
+    with pytest.raises(ValueError, match="chunk_chars must be positive"):  # it looped forever
+        next(iter_text_file_documents([path], tokenizer, chunk_chars=0))
     path.write_text("x" * 60)  # no break at all: cut at the size
     pieces = next(iter_text_file_documents([path], tokenizer, chunk_chars=25))
     assert tokenizer.decode(pieces) == "x" * 60

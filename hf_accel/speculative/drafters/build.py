@@ -38,6 +38,8 @@ def iter_text_file_documents(
     it and indentation to its line break (GPT-2, SmolLM: cut before the run), Llama 3 and Qwen glue line breaks to the
     punctuation before them (cut after the line breaks). A cut inside a word would make tokens the tokenizer never
     makes."""
+    if chunk_chars < 1:
+        raise ValueError(f"chunk_chars must be positive, got {chunk_chars}")
     for path in paths:
         path = Path(path)
         if not path.is_file():
