@@ -443,6 +443,9 @@ def test_text_files_are_tokenized_in_chunks_as_a_whole(tmp_path):
         "alpha beta " * 30 + " " * 600 + "gamma delta\n" * 40,
         "alpha beta. " * 30 + "\n" * 600 + "gamma delta\n" * 40,
         ("def f():\n" + " " * 400 + "return 1\n") * 10,
+        "some words here\n" * 20 + " " * 700,  # the text ends in the run: the chunk takes the rest
+        "some words here\n" * 20 + " " * 701 + "end",
+        " " * 1000,
     )
     for text in long_runs:
         path.write_text(text)
@@ -482,6 +485,12 @@ def test_text_file_chunks_keep_the_tokens_of_a_llama3_style_tokenizer(tmp_path):
     whole = tokenizer(text, add_special_tokens=False)["input_ids"]
     for chunk_chars in (500, 2000):
         assert next(iter_text_file_documents([path], tokenizer, chunk_chars=chunk_chars)) == whole
+    # a run longer than the chunk, then the text's last word and line break (`.` + `\n` is one piece): the cut past
+    # the line break is the end of the text
+    for text in ("alpha beta " * 30 + " " * 600 + "end.\n", " " * 1000):
+        path.write_text(text)
+        whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert next(iter_text_file_documents([path], tokenizer, chunk_chars=100)) == whole
 
 
 def test_the_self_distillation_cache_is_per_model_weights(tmp_path):

@@ -57,8 +57,9 @@ def _chunk_end(text: str, start: int, end: int, tokenizer, margin: int = 256) ->
     """Where a chunk of `text` beginning at `start` ends, about `end`: the first cut, of those around the last line
     break and then the last space before `end`, whose neighbourhood of `margin` characters tokenizes whole as its two
     sides do. When none does because the chunk's end lies in a whitespace run (or word) longer than the chunk, the
-    chunk grows to the first run after a word past `end`. If no cut passes (a tokenizer that adds a prefix space to
-    every call), the first candidate; `end` if there is no whitespace at all."""
+    chunk grows to the first run after a word past `end`, or to the end of the text if that run is its last. If no cut
+    passes (a tokenizer that adds a prefix space to every call), the first candidate; `end` if there is no whitespace
+    at all."""
     if end >= len(text):
         return len(text)
     candidates = []
@@ -67,7 +68,10 @@ def _chunk_end(text: str, start: int, end: int, tokenizer, margin: int = 256) ->
             c for c in _cuts_at_run(text, start, text.rfind(separator, start + 1, end)) if c not in candidates
         ]
     word_then_space = re.compile(r"\S(?=\s)").search(text, end)
-    later = _cuts_at_run(text, start, word_then_space.end()) if word_then_space else []
+    if word_then_space:
+        later = _cuts_at_run(text, start, word_then_space.end())
+    else:  # `end` is in the text's last whitespace run (the rest of the text, maybe a word after it) or its last word
+        later = [len(text)] if text[end].isspace() else []
     for candidate in candidates + [c for c in later if c not in candidates]:
         window = text[max(start, candidate - margin) : candidate + margin]
         left = candidate - max(start, candidate - margin)
@@ -91,8 +95,8 @@ def _cuts_at_run(text: str, start: int, cut: int) -> list[int]:
     after = cut  # past the line breaks (not the indentation after them)
     while after < len(text) and text[after] in "\r\n":
         after += 1
-    inside_run = lambda c: text[c - 1].isspace() and text[c - 1] not in "\r\n" and text[c].isspace()
-    return [c for c in dict.fromkeys((before, after)) if start < c < len(text) and not inside_run(c)]
+    inside_run = lambda c: c < len(text) and text[c - 1].isspace() and text[c - 1] not in "\r\n" and text[c].isspace()
+    return [c for c in dict.fromkeys((before, after)) if start < c <= len(text) and not inside_run(c)]
 
 
 def iter_dataset_documents(
