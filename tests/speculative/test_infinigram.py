@@ -446,6 +446,7 @@ def test_text_files_are_tokenized_in_chunks_as_a_whole(tmp_path):
         "some words here\n" * 20 + " " * 700,  # the text ends in the run: the chunk takes the rest
         "some words here\n" * 20 + " " * 701 + "end",
         " " * 1000,
+        "alpha beta\n" * 30 + "\n" * 300 + "   gamma\n" * 20,  # one piece: a window must hold the whole run
     )
     for text in long_runs:
         path.write_text(text)

@@ -55,8 +55,8 @@ def iter_text_file_documents(
 
 def _chunk_end(text: str, start: int, end: int, tokenizer, margin: int = 256) -> int:
     """Where a chunk of `text` beginning at `start` ends, about `end`: the first cut, of those around the last line
-    break and then the last space before `end`, whose neighbourhood of `margin` characters tokenizes whole as its two
-    sides do. When none does because the chunk's end lies in a whitespace run (or word) longer than the chunk, the
+    break and then the last space before `end`, whose neighbourhood (its whitespace run and `margin` characters each
+    side) tokenizes whole as its two sides do. When none does because the chunk's end lies in a whitespace run (or word) longer than the chunk, the
     chunk grows to the first run after a word past `end`, or to the end of the text if that run is its last. If no cut
     passes (a tokenizer that adds a prefix space to every call), the first candidate; `end` if there is no whitespace
     at all."""
@@ -73,14 +73,27 @@ def _chunk_end(text: str, start: int, end: int, tokenizer, margin: int = 256) ->
     else:  # `end` is in the text's last whitespace run (the rest of the text, maybe a word after it) or its last word
         later = [len(text)] if text[end].isspace() else []
     for candidate in candidates + [c for c in later if c not in candidates]:
-        window = text[max(start, candidate - margin) : candidate + margin]
-        left = candidate - max(start, candidate - margin)
+        run_start, run_end = _run_around(text, start, candidate)
+        window = text[max(start, run_start - margin) : run_end + margin]
+        left = candidate - max(start, run_start - margin)
         pieces = [
             tokenizer(part, add_special_tokens=False)["input_ids"] for part in (window, window[:left], window[left:])
         ]
         if pieces[0] == pieces[1] + pieces[2]:
             return candidate
     return candidates[0] if candidates else end
+
+
+def _run_around(text: str, start: int, cut: int) -> tuple[int, int]:
+    """The whitespace run (not before `start`) that `cut` is in or next to, as `(begin, end)`: a window checking the cut
+    must hold all of it, since a tokenizer splits a run by its whole length (a run of 300 line breaks then indentation
+    is one SmolLM piece)."""
+    begin, end = cut, cut
+    while begin > start and text[begin - 1].isspace():
+        begin -= 1
+    while end < len(text) and text[end].isspace():
+        end += 1
+    return begin, end
 
 
 def _cuts_at_run(text: str, start: int, cut: int) -> list[int]:
