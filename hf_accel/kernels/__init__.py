@@ -29,10 +29,11 @@ CHECKPOINT_SOURCES = ("quant.py", "reference.py", "registry.py", "cache.py")
 def checkpoint_sources_hash() -> str:
     """sha256 of [`CHECKPOINT_SOURCES`]: a checkpoint written from the same sources uses this package's kernels (and so
     its Triton backend) and cache classes instead of its own copies; one from other sources (an older or newer
-    hf_accel) keeps its copies, which match its modeling code."""
+    hf_accel) keeps its copies, which match its modeling code. Line endings are read as `\n`: the same sources checked
+    out with `\r\n` (git's autocrlf on Windows) hash the same."""
     digest = hashlib.sha256()
     for name in CHECKPOINT_SOURCES:
-        digest.update((Path(__file__).parent / name).read_bytes())
+        digest.update((Path(__file__).parent / name).read_text(encoding="utf-8").encode("utf-8"))
     return digest.hexdigest()
 
 

@@ -449,3 +449,27 @@ def test_checkpoint_kernels_use_the_installed_ones_only_from_the_same_sources(tm
     spec.loader.exec_module(module)
     assert (module.PaluQuantizedLayer is Installed) == same_sources
     assert hasattr(module.PaluQuantizedLayer, "straight_through") and callable(module.reads_in_full_precision)
+
+
+def test_the_checkpoint_sources_hash_ignores_line_endings(tmp_path):
+    # the same sources checked out with \r\n (git autocrlf on Windows) must keep using the installed kernels
+    import importlib.util
+
+    import hf_accel.kernels
+    from hf_accel.kernels import checkpoint_sources_hash
+
+    package = tmp_path / "crlf_kernels"
+    package.mkdir()
+    for source in Path(hf_accel.kernels.__file__).parent.glob("*.py"):
+        (package / source.name).write_bytes(source.read_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\r\n"))
+    spec = importlib.util.spec_from_file_location(
+        "crlf_kernels", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["crlf_kernels"] = module
+    try:
+        spec.loader.exec_module(module)
+        assert module.checkpoint_sources_hash() == checkpoint_sources_hash()
+    finally:
+        for name in [n for n in sys.modules if n == "crlf_kernels" or n.startswith("crlf_kernels.")]:
+            del sys.modules[name]
