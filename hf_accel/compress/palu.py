@@ -585,7 +585,7 @@ try:  # with hf_accel installed from the same sources, its kernels (Triton inclu
     if checkpoint_sources_hash() == _SOURCES_HASH:
         from hf_accel.kernels import get_kernel  # noqa: F811
         from hf_accel.kernels.cache import PaluQuantizedCache, PaluQuantizedLayer  # noqa: F811
-except ImportError:  # no hf_accel, or one older than the sources hash
+except (ImportError, OSError):  # no hf_accel, one older than the sources hash, or one without its .py sources
     pass
 """
 

@@ -56,10 +56,10 @@ def iter_text_file_documents(
 def _chunk_end(text: str, start: int, end: int, tokenizer, margin: int = 256) -> int:
     """Where a chunk of `text` beginning at `start` ends, about `end`: the first cut, of those around the last line
     break and then the last space before `end`, whose neighbourhood (its whitespace run and `margin` characters each
-    side) tokenizes whole as its two sides do. When none does because the chunk's end lies in a whitespace run (or word) longer than the chunk, the
-    chunk grows to the first run after a word past `end`, or to the end of the text if that run is its last. If no cut
-    passes (a tokenizer that adds a prefix space to every call), the first candidate; `end` if there is no whitespace
-    at all."""
+    side) tokenizes whole as its two sides do. When none does because the chunk's end lies in a whitespace run (or
+    word) longer than the chunk, the chunk grows to the first run after a word past `end`, or to the end of the text
+    if that run is its last. If no cut passes (a tokenizer that adds a prefix space to every call), the first
+    candidate; `end` if there is no whitespace at all."""
     if end >= len(text):
         return len(text)
     candidates = []
