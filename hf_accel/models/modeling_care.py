@@ -178,64 +178,41 @@ def _use_care_attention(model, attention_class) -> None:
         layer.self_attn = attention_class(model.config, idx)
 
 
-class CareLlamaForCausalLM(LlamaForCausalLM):
+class CareForCausalLMMixin:
+    """A family's causal LM with CARE attention in every layer; put it first in the bases."""
+
+    care_attention_class: type
+    # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
+    # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
+    _accepts_key_positions = True
+    # Set on a checkpoint's class by from_pretrained; set here too, so that save_pretrained of a model converted in
+    # this process also writes its code files (its config's auto_map names them)
+    _auto_class = "AutoModelForCausalLM"
+
+    def __init__(self, config):
+        super().__init__(config)
+        _use_care_attention(self, self.care_attention_class)  # diff with the family's ForCausalLM
+        self.post_init()
+
+
+class CareLlamaForCausalLM(CareForCausalLMMixin, LlamaForCausalLM):
     config_class = CareLlamaConfig
-    # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
-    # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
-    _accepts_key_positions = True
-    # Set on a checkpoint's class by from_pretrained; set here too, so that save_pretrained of a model converted in
-    # this process also writes its code files (its config's auto_map names them)
-    _auto_class = "AutoModelForCausalLM"
-
-    def __init__(self, config: CareLlamaConfig):
-        super().__init__(config)
-        _use_care_attention(self, CareLlamaAttention)  # diff with LlamaForCausalLM
-        self.post_init()
+    care_attention_class = CareLlamaAttention
 
 
-class CareMistralForCausalLM(MistralForCausalLM):
+class CareMistralForCausalLM(CareForCausalLMMixin, MistralForCausalLM):
     config_class = CareMistralConfig
-    # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
-    # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
-    _accepts_key_positions = True
-    # Set on a checkpoint's class by from_pretrained; set here too, so that save_pretrained of a model converted in
-    # this process also writes its code files (its config's auto_map names them)
-    _auto_class = "AutoModelForCausalLM"
-
-    def __init__(self, config: CareMistralConfig):
-        super().__init__(config)
-        _use_care_attention(self, CareMistralAttention)  # diff with MistralForCausalLM
-        self.post_init()
+    care_attention_class = CareMistralAttention
 
 
-class CareQwen2ForCausalLM(Qwen2ForCausalLM):
+class CareQwen2ForCausalLM(CareForCausalLMMixin, Qwen2ForCausalLM):
     config_class = CareQwen2Config
-    # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
-    # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
-    _accepts_key_positions = True
-    # Set on a checkpoint's class by from_pretrained; set here too, so that save_pretrained of a model converted in
-    # this process also writes its code files (its config's auto_map names them)
-    _auto_class = "AutoModelForCausalLM"
-
-    def __init__(self, config: CareQwen2Config):
-        super().__init__(config)
-        _use_care_attention(self, CareQwen2Attention)  # diff with Qwen2ForCausalLM
-        self.post_init()
+    care_attention_class = CareQwen2Attention
 
 
-class CareQwen3ForCausalLM(Qwen3ForCausalLM):
+class CareQwen3ForCausalLM(CareForCausalLMMixin, Qwen3ForCausalLM):
     config_class = CareQwen3Config
-    # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
-    # decoding), hf-accel's engine passes every slot's position as `key_positions` (see the module docstring).
-    _accepts_key_positions = True
-    # Set on a checkpoint's class by from_pretrained; set here too, so that save_pretrained of a model converted in
-    # this process also writes its code files (its config's auto_map names them)
-    _auto_class = "AutoModelForCausalLM"
-
-    def __init__(self, config: CareQwen3Config):
-        super().__init__(config)
-        _use_care_attention(self, CareQwen3Attention)  # diff with Qwen3ForCausalLM
-        self.post_init()
+    care_attention_class = CareQwen3Attention
 
 
 __all__ = [
