@@ -173,11 +173,6 @@ class CareQwen3Attention(CareAttentionMixin, Qwen3Attention):
     rotary_class = Qwen3RotaryEmbedding
 
 
-def _use_care_attention(model, attention_class) -> None:
-    for idx, layer in enumerate(model.model.layers):
-        layer.self_attn = attention_class(model.config, idx)
-
-
 class CareForCausalLMMixin:
     """A family's causal LM with CARE attention in every layer; put it first in the bases."""
 
@@ -191,7 +186,8 @@ class CareForCausalLMMixin:
 
     def __init__(self, config):
         super().__init__(config)
-        _use_care_attention(self, self.care_attention_class)  # diff with the family's ForCausalLM
+        for idx, layer in enumerate(self.model.layers):
+            layer.self_attn = self.care_attention_class(config, idx)  # diff with the family's ForCausalLM
         self.post_init()
 
 
