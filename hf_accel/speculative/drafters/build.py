@@ -102,9 +102,7 @@ def _cuts_at_run(text: str, start: int, cut: int) -> list[int]:
     a long run depends on its end, which a window inside it does not see)."""
     if cut < 0:
         return []
-    before = cut  # the start of the whitespace run
-    while before > start and text[before - 1].isspace():
-        before -= 1
+    before = _run_around(text, start, cut)[0]  # the start of the whitespace run
     after = cut  # past the line breaks (not the indentation after them)
     while after < len(text) and text[after] in "\r\n":
         after += 1
