@@ -434,9 +434,6 @@ def test_text_files_are_tokenized_in_chunks_as_a_whole(tmp_path):
             assert next(iter_text_file_documents([path], tokenizer, chunk_chars=chunk_chars)) == whole
     with pytest.raises(ValueError, match="chunk_chars must be positive"):  # it looped forever
         next(iter_text_file_documents([path], tokenizer, chunk_chars=0))
-    path.write_text("x" * 60)  # no break at all: cut at the size
-    pieces = next(iter_text_file_documents([path], tokenizer, chunk_chars=25))
-    assert tokenizer.decode(pieces) == "x" * 60
     # whitespace runs longer than a chunk (a cut inside one changes how the tokenizer splits it): the chunk grows
     long_runs = (
         "word " + " " * 100 + "next word here\n" * 50,
@@ -447,6 +444,8 @@ def test_text_files_are_tokenized_in_chunks_as_a_whole(tmp_path):
         "some words here\n" * 20 + " " * 701 + "end",
         " " * 1000,
         "alpha beta\n" * 30 + "\n" * 300 + "   gamma\n" * 20,  # one piece: a window must hold the whole run
+        "x" * 600,  # one word: it is not cut
+        "some words here\n" * 20 + "y" * 700,  # the text ends in a word longer than the chunk: the rest is one chunk
     )
     for text in long_runs:
         path.write_text(text)

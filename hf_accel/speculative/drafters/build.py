@@ -58,8 +58,8 @@ def _chunk_end(text: str, start: int, end: int, tokenizer, margin: int = 256) ->
     break and then the last space before `end`, whose neighbourhood (its whitespace run and `margin` characters each
     side) tokenizes whole as its two sides do. When none does because the chunk's end lies in a whitespace run (or
     word) longer than the chunk, the chunk grows to the first run after a word past `end`, or to the end of the text
-    if that run is its last. If no cut passes (a tokenizer that adds a prefix space to every call), the first
-    candidate; `end` if there is no whitespace at all."""
+    if `end` is in its last run or word. If no cut passes (a tokenizer that adds a prefix space to every call), the
+    first candidate, else `end`."""
     if end >= len(text):
         return len(text)
     candidates = []
@@ -70,8 +70,8 @@ def _chunk_end(text: str, start: int, end: int, tokenizer, margin: int = 256) ->
     word_then_space = re.compile(r"\S(?=\s)").search(text, end)
     if word_then_space:
         later = _cuts_at_run(text, start, word_then_space.end())
-    else:  # `end` is in the text's last whitespace run (the rest of the text, maybe a word after it) or its last word
-        later = [len(text)] if text[end].isspace() else []
+    else:  # `end` is in the text's last whitespace run or its last word: the chunk takes the rest of the text
+        later = [len(text)]
     for candidate in candidates + [c for c in later if c not in candidates]:
         run_start, run_end = _run_around(text, start, candidate)
         window = text[max(start, run_start - margin) : run_end + margin]
