@@ -282,8 +282,10 @@ def load_calibration_ids(
 
 
 def _encode_prompts(tokenizer, prompts):
-    padding_side = tokenizer.padding_side
+    padding_side, pad_token = tokenizer.padding_side, tokenizer.pad_token
     tokenizer.padding_side = "left"
+    if pad_token is None:  # (Llama, Mistral) pad with EOS, as `generate` does; the attention mask hides the pads
+        tokenizer.pad_token = tokenizer.eos_token
     try:
         if getattr(tokenizer, "chat_template", None):
             texts = [
@@ -295,7 +297,7 @@ def _encode_prompts(tokenizer, prompts):
             return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return tokenizer(list(prompts), return_tensors="pt", padding=True)
     finally:
-        tokenizer.padding_side = padding_side
+        tokenizer.padding_side, tokenizer.pad_token = padding_side, pad_token
 
 
 def load_calibration_text(source: str, split: str = "train", column: str = "text") -> str:

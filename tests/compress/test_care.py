@@ -278,3 +278,16 @@ def test_rope_that_changes_at_run_time_is_refused():
     model = make_tiny("llama", rope_parameters=parameters, max_position_embeddings=64)
     with pytest.raises(ValueError, match="CARE does not support rope_type 'dynamic'"):
         convert_care(model, kv_keep=0.5, method="svd", progress=False)
+
+
+def test_generated_calibration_with_a_tokenizer_without_a_pad_token():
+    """Llama and Mistral tokenizers have no pad token: the prompts are padded with EOS, and the tokenizer is left as
+    it was."""
+    from hf_accel.compress.calibration import generate_calibration_ids
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    tokenizer.pad_token = None
+    ids = generate_calibration_ids(make_tiny("llama", vocab_size=128), tokenizer, 3, 5, progress=False)
+    assert ids.shape == (3, 5)
+    assert tokenizer.pad_token is None and tokenizer.padding_side == "right"
