@@ -34,7 +34,7 @@ from .export import (
     plot_ranks,
     write_json,
 )
-from .factorize import asvd_scale, factorize, shrink_moment, symmetric_sqrt, whitened_factorize
+from .factorize import asvd_scale, check_shrinkage, factorize, shrink_moment, symmetric_sqrt, whitened_factorize
 from .ranks import budget_from_kv_keep, raw_sigma_gains, relative_energy_gains, uniform_ranks, water_fill
 
 
@@ -59,15 +59,17 @@ class CareConversionConfig:
     asvd_alpha: float = field(default=0.5, metadata={"help": "ASVD exponent of the per-channel scaling."})
     absorb_value: bool = field(default=False, metadata={"help": "Fold the value up-projection into o_proj."})
     rank_floor_frac: float = field(
-        default=0.0, metadata={"help": "Default allocation: every matrix keeps at least this fraction of its width."}
+        default=0.0,
+        metadata={"help": "Default allocation: every matrix keeps at least this fraction of its largest rank."},
     )
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown CARE method {self.method!r}; choose one of {', '.join(METHODS)}")
         budget_from_kv_keep([1], self.kv_keep)  # validates kv_keep
-        if not 0.0 <= self.alpha < 1.0:
-            raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
+        check_shrinkage(self.alpha, self.lam_frac)
+        if not 0.0 <= self.rank_floor_frac <= 1.0:
+            raise ValueError(f"rank_floor_frac must be in [0, 1], got {self.rank_floor_frac}")
 
 
 def model_family(model) -> str:
@@ -145,7 +147,7 @@ def allocate_ranks(
         method (`str`): uniform for `svd`, `asvd`, `care-u`; water-filling on raw σ for `care-e-raw`, on relative
             energy σ²/Σσ² for `care-e-rel`, and on `gains` (default: σ², loss units when the factors are two-sided)
             for `care`.
-        rank_floor_frac (`float`, *optional*, defaults to 0): minimum rank as a fraction of each matrix's width.
+        rank_floor_frac (`float`, *optional*, defaults to 0): minimum rank as a fraction of each matrix's largest rank.
         gains (`list[torch.Tensor]`, *optional*): marginal gains per matrix (index `2·layer + {0: K, 1: V}`).
     """
     widths, caps = _widths_and_caps(factors)

@@ -71,7 +71,9 @@ def load_converted_state(converted, state: dict, source, converter: str):
     state = {k: v.to(dtype).contiguous() for k, v in state.items()}
     for name, tensor in state.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ValueError(f"{converter} conversion produced non-finite values in {name}; try a larger --alpha")
+            raise ValueError(
+                f"{converter} conversion produced non-finite values in {name}; try a larger shrinkage alpha"
+            )
     converted.load_state_dict(state, strict=True)
     converted.generation_config = copy.deepcopy(source.generation_config)
     return converted.to(next(source.parameters()).device).eval()

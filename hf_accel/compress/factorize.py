@@ -41,6 +41,14 @@ class LowRankFactors:
         return self.down[:, :rank], self.up[:rank]
 
 
+def check_shrinkage(alpha: float, lam_frac: float) -> None:
+    """Refuses a shrinkage that is not a convex mix with a non-negative ridge (`C_λ` would not be PSD)."""
+    if not 0.0 <= alpha < 1.0:
+        raise ValueError(f"alpha must be in [0, 1), got {alpha}")
+    if not lam_frac >= 0.0:
+        raise ValueError(f"lam_frac must be non-negative, got {lam_frac}")
+
+
 def shrink_moment(moment: torch.Tensor, alpha: float = 0.05, lam_frac: float = 1e-2) -> torch.Tensor:
     """Ledoit–Wolf style shrinkage `C_λ = (1 − α) C + α λ I` with `λ = lam_frac · λ_max(C)` (spec Eq. 3.8).
 

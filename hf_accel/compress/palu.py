@@ -37,7 +37,7 @@ from .export import (
     check_source_model,
     load_converted_state,
 )
-from .factorize import factorize, shrink_moment, symmetric_sqrt
+from .factorize import check_shrinkage, factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
 from .ranks import water_fill
 
@@ -111,8 +111,7 @@ class PaluConversionConfig:
             raise ValueError("residual_length is a full-precision window of a quantized cache: it needs quant_bits")
         if self.calib_samples < 1 or self.calib_seq_len < 2 or (self.ranks == "fisher" and self.fisher_samples < 1):
             raise ValueError("calib_samples, fisher_samples must be ≥ 1 and calib_seq_len ≥ 2")
-        if not 0.0 <= self.alpha < 1.0:
-            raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
+        check_shrinkage(self.alpha, self.lam_frac)
         if self.kernel_backend not in KERNEL_BACKENDS:  # before calibration, not when the model is built
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
 

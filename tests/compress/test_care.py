@@ -38,6 +38,21 @@ def test_unknown_method_is_an_error():
         CareConversionConfig(method="magic")
 
 
+@pytest.mark.parametrize(
+    "option", [{"alpha": 1.0}, {"lam_frac": -1.0}, {"rank_floor_frac": 2.0}, {"rank_floor_frac": -0.1}]
+)
+def test_shrinkage_and_rank_floor_outside_their_range_are_errors(option):
+    """A negative λ made the shrunk moment indefinite; its clamped root then gave silently wrong factors."""
+    from hf_accel.compress.palu import PaluConversionConfig
+
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=name):
+        CareConversionConfig(**option)
+    if name != "rank_floor_frac":
+        with pytest.raises(ValueError, match=name):
+            PaluConversionConfig(**option)
+
+
 def test_rank_above_matrix_width_is_an_error():
     model = make_tiny("llama")
     factors = factorize_kv(model, None, "svd", CareConversionConfig())
