@@ -574,6 +574,11 @@ def _missing_triton(*args, **kwargs):
     raise ImportError("The 'triton' Palu kernels need `pip install 'hf-accel[triton]'`; or use the 'eager' backend.")
 
 
+def resolve_auto_backend():  # noqa: F811
+    # these copies carry no Triton kernels: "auto" runs the eager ones (hf_accel from the same sources brings its own)
+    return "eager"
+
+
 for _name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
     register_kernel(_name, "eager", _eager_loader(_name))
     register_kernel(_name, "triton", lambda: _missing_triton)

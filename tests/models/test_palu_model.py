@@ -451,6 +451,27 @@ def test_checkpoint_kernels_use_the_installed_ones_only_from_the_same_sources(tm
     assert hasattr(module.PaluQuantizedLayer, "straight_through") and callable(module.reads_in_full_precision)
 
 
+def test_checkpoint_kernels_auto_backend_runs_the_copies_without_hf_accel(tmp_path, monkeypatch):
+    # the copies carry no Triton kernels: with triton installed and a GPU visible (any CUDA torch), a checkpoint whose
+    # config says "auto" must run its eager copies, not fail on the missing Triton ones
+    import importlib.util
+
+    from hf_accel.compress.palu import write_palu_kernels_file
+
+    path = write_palu_kernels_file(tmp_path / "palu_kernels.py")
+    path.write_text(path.read_text().replace("\n_SOURCES_HASH = '", "\n_SOURCES_HASH = 'other-", 1))
+    spec = importlib.util.spec_from_file_location("checkpoint_kernels_auto", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else find_spec(name, *a)
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
+        assert module.get_kernel(name, "auto") is getattr(module, name)
+
+
 def test_the_checkpoint_sources_hash_ignores_line_endings(tmp_path):
     # the same sources checked out with \r\n (git autocrlf on Windows) must keep using the installed kernels
     import importlib.util
