@@ -574,7 +574,7 @@ def _missing_triton(*args, **kwargs):
     raise ImportError("The 'triton' Palu kernels need `pip install 'hf-accel[triton]'`; or use the 'eager' backend.")
 
 
-def resolve_auto_backend():  # noqa: F811
+def resolve_auto_backend(device=None):  # noqa: F811
     # these copies carry no Triton kernels: "auto" runs the eager ones (hf_accel from the same sources brings its own)
     return "eager"
 

@@ -207,7 +207,7 @@ class PaluQuantizedLayer(DynamicLayer):
         """
         from .registry import get_kernel
 
-        kernel = get_kernel("rope_key_scores", backend)
+        kernel = get_kernel("rope_key_scores", backend, query_states.device)
         rope = {"attention_scaling": attention_scaling, "scaling": scaling}
         scores = kernel(query_states, self.quantized_keys, up_proj, key_positions, inv_freq, **rope)
         width = self.window_length
@@ -237,7 +237,7 @@ class PaluQuantizedLayer(DynamicLayer):
         """
         from .registry import get_kernel
 
-        attend = get_kernel("dequantize_attend", backend)
+        attend = get_kernel("dequantize_attend", backend, probs.device)
         width = self.window_length
         if width == 0:
             return attend(probs, self.quantized_values)

@@ -33,7 +33,7 @@ def list_kernels() -> dict[str, list[str]]:
     return {name: sorted(backends) for name, backends in _KERNEL_LOADERS.items()}
 
 
-def get_kernel(name: str, backend: str = "eager") -> Callable:
+def get_kernel(name: str, backend: str = "eager", device: torch.device | str | None = None) -> Callable:
     """
     The function of kernel `name` for `backend`; all backends of a kernel share one signature.
 
@@ -41,12 +41,14 @@ def get_kernel(name: str, backend: str = "eager") -> Callable:
         name (`str`): a registered kernel name.
         backend (`str`, *optional*, defaults to `"eager"`): `"eager"` (plain PyTorch, runs anywhere), `"triton"`, or
             `"auto"` (see [`resolve_auto_backend`]). Both backends compute the same result within float tolerance.
+        device (`torch.device` or `str`, *optional*): where the kernel's inputs are, for `"auto"`: inputs on the CPU
+            get the eager kernel even where a GPU is visible.
 
     Raises:
         `ValueError`: unknown kernel or backend. `ImportError`: the backend's package is missing.
     """
     if backend == "auto":
-        backend = resolve_auto_backend()
+        backend = resolve_auto_backend(device)
     if name not in _KERNEL_LOADERS:
         raise ValueError(f"Unknown kernel {name!r}; registered kernels: {sorted(_KERNEL_LOADERS)}.")
     backends = _KERNEL_LOADERS[name]
@@ -55,7 +57,9 @@ def get_kernel(name: str, backend: str = "eager") -> Callable:
     return backends[backend]()
 
 
-def resolve_auto_backend() -> str:
-    """`"triton"` when the `triton` package is installed and a CUDA device is visible, else `"eager"`."""
+def resolve_auto_backend(device: torch.device | str | None = None) -> str:
+    """`"triton"` when the `triton` package is installed and the inputs are on a CUDA device (`device`; without it,
+    when one is visible), else `"eager"`: the Triton kernels cannot read CPU tensors."""
     has_triton = importlib.util.find_spec("triton") is not None
-    return "triton" if has_triton and torch.cuda.is_available() else "eager"
+    on_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return "triton" if has_triton and on_cuda else "eager"

@@ -165,7 +165,9 @@ class PaluAttentionMixin:
                 latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
             positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)
             # the Triton kernels have no backward pass: with gradients on (training), the eager kernel's autograd
-            kernel = get_kernel("rope_key_scores", "eager" if torch.is_grad_enabled() else backend)
+            kernel = get_kernel(
+                "rope_key_scores", "eager" if torch.is_grad_enabled() else backend, hidden_states.device
+            )
             full_precision = None  # [B, 1, q, S]: the reads a quantized model's full-precision window serves
             if quantized:  # training (gradients on, empty cache): the cache's reads, rounding passed straight through
                 if past_key_values is not None:  # the cache keeps what the cache path would have stored

@@ -155,6 +155,21 @@ def test_auto_backend(monkeypatch):
     assert get_kernel("dequantize_matmul", "auto") is get_kernel("dequantize_matmul", "eager")
 
 
+def test_auto_backend_keeps_cpu_inputs_on_the_eager_kernels(monkeypatch):
+    # a GPU visible and triton installed, but the model on the CPU: the Triton kernels cannot read CPU tensors
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else find_spec(name, *a)
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kernels.resolve_auto_backend() == kernels.resolve_auto_backend("cuda:0") == "triton"
+    assert kernels.resolve_auto_backend(torch.device("cpu")) == "eager"
+    for name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
+        assert get_kernel(name, "auto", "cpu") is get_kernel(name, "eager")
+
+
 def test_package_import_does_not_import_triton():
     code = "import sys, hf_accel.kernels, hf_accel.kernels.cache; assert 'triton' not in sys.modules"
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(kernels.__file__)))

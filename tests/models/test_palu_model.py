@@ -451,6 +451,16 @@ def test_checkpoint_kernels_use_the_installed_ones_only_from_the_same_sources(tm
     assert hasattr(module.PaluQuantizedLayer, "straight_through") and callable(module.reads_in_full_precision)
 
 
+def test_auto_backend_runs_a_cpu_model_where_a_gpu_is_visible(palu, monkeypatch):
+    # `palu_kernel_backend="auto"` on a CPU model must not launch the Triton kernels on CPU tensors
+    ids = _ids(2, 7)
+    with torch.no_grad():
+        expected = palu(input_ids=ids).logits
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(palu.config, "palu_kernel_backend", "auto")
+        torch.testing.assert_close(palu(input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
 def test_checkpoint_kernels_auto_backend_runs_the_copies_without_hf_accel(tmp_path, monkeypatch):
     # the copies carry no Triton kernels: with triton installed and a GPU visible (any CUDA torch), a checkpoint whose
     # config says "auto" must run its eager copies, not fail on the missing Triton ones
