@@ -176,7 +176,9 @@ class DrafterCandidateGenerator(CandidateGenerator):
         tic = time.perf_counter()
         tree = self.drafter.propose(request)
         self.drafter_time_s += time.perf_counter() - tic
-        self._chain_nodes = _first_chain(tree)
+        # a drafter may ignore `max_depth`: deeper candidates cannot be committed, and models with a position table
+        # (GPT-2, OPT) have no position for them when `max_length` is the table's size
+        self._chain_nodes = _first_chain(tree)[: max(0, int(request.max_depth[0]))]
         chain = tree.input_ids[0, self._chain_nodes].tolist() if self._chain_nodes else []
         candidates = torch.cat([input_ids, torch.tensor([chain], dtype=torch.long, device=input_ids.device)], 1)
         self._pass_start = time.perf_counter()

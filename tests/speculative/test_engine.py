@@ -391,14 +391,15 @@ def test_hybrid_recurrent_models_are_refused_in_one_line():
                        drafter=ReferenceDrafter(reference))  # fmt: skip
 
 
-def test_drafts_deeper_than_the_budget_stay_inside_a_position_table():
+@pytest.mark.parametrize("loop", [custom_generate, assisted_generate])
+def test_drafts_deeper_than_the_budget_stay_inside_a_position_table(loop):
     """A drafter may ignore `max_depth`; GPT-2's learned positions end where `max_length` does."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=24, eos_token_id=2, pad_token_id=0)
     model = GPT2LMHeadModel(config).eval()
-    input_ids, attention_mask = _ragged_batch(2, width=16)
+    input_ids, attention_mask = _ragged_batch(2 if loop is custom_generate else 1, width=16)  # assisted: batch 1
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_length": 24, "do_sample": False}
     reference = model.generate(**kwargs)
 
@@ -411,5 +412,5 @@ def test_drafts_deeper_than_the_budget_stay_inside_a_position_table():
                 ]
             )
 
-    out = model.generate(**kwargs, custom_generate=custom_generate, drafter=TooDeep(reference))
+    out = model.generate(**kwargs, custom_generate=loop, drafter=TooDeep(reference))
     assert torch.equal(out, reference)
