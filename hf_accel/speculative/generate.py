@@ -21,6 +21,7 @@ import time
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import SynthIDTextWatermarkLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMode
 
 from .engine import DraftRequest, SpeculativeEngine, VerifyResult
@@ -68,6 +69,7 @@ def custom_generate(
     if drafter is None:
         raise ValueError("custom_generate needs a drafter: pass `drafter=build_drafter('ngram', None, model, tok)`")
     _validate_generation_config(generation_config, synced_gpus, input_ids.shape[0])
+    _validate_logits_processors(logits_processor)
     _validate_model_inputs(model, model_kwargs)
     streamer = streamer if streamer is not None else _find_streamer()
     if streamer is not None and input_ids.shape[0] > 1:
@@ -106,6 +108,13 @@ def _validate_decoding_mode(generation_config):
         raise ValueError(f"speculative decoding does greedy search or sampling, not {mode.value}; drop its arguments")
     if generation_config.guidance_scale not in (None, 1):
         raise ValueError("`guidance_scale` (classifier-free guidance) is not supported by speculative decoding")
+
+
+def _validate_logits_processors(logits_processor):
+    """Refuses processors that keep a state assuming one committed token per call: both loops call them once per
+    draft node, so rejected drafts would enter their state (SynthID watermarking)."""
+    if any(isinstance(p, SynthIDTextWatermarkLogitsProcessor) for p in logits_processor or ()):
+        raise ValueError("SynthID watermarking (`watermarking_config`) is not supported by speculative decoding")
 
 
 def _validate_model_inputs(model, model_kwargs):
@@ -224,6 +233,7 @@ def assisted_generate(
     if drafter is None:
         raise ValueError("assisted_generate needs `drafter=`")
     _validate_decoding_mode(generation_config)
+    _validate_logits_processors(logits_processor)
     streamer = streamer if streamer is not None else _find_streamer()
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)

@@ -266,12 +266,16 @@ def test_unsupported_calls_are_refused_in_one_line(tiny_llama):
 
 
 def test_generation_modes_the_engine_cannot_run_are_refused(tiny_llama):
+    from transformers import SynthIDTextWatermarkingConfig
+
     input_ids = torch.tensor([[5, 6, 7, 8]])
     reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
     refused = [  # each is silently ignored or miscomputed if run as greedy search
         ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive"),
         ({"dola_layers": "high"}, "dola"),
         ({"guidance_scale": 1.5}, "guidance_scale"),  # a stateful processor assuming one new token per call
+        # another one: SynthID's state appends the last token of every call, rejected drafts included
+        ({"watermarking_config": SynthIDTextWatermarkingConfig(keys=[654, 400, 836], ngram_len=3)}, "SynthID"),
     ]
     for loop in (custom_generate, assisted_generate):
         for kwargs, message in refused:
