@@ -67,6 +67,15 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p)
 
 
+def match_draft_vocab(draft_probs: torch.FloatTensor, vocab_size: int) -> torch.FloatTensor:
+    """Draft distributions over the target's `vocab_size` logits: a draft vocabulary that is a prefix of the target's
+    (the same tokenizer, the target's embedding padded to a multiple) gets zero probability on the extra ids."""
+    width = draft_probs.shape[-1]
+    if width > vocab_size:
+        raise ValueError(f"the drafter's probabilities cover {width} token ids, the target's logits only {vocab_size}")
+    return torch.nn.functional.pad(draft_probs, (0, vocab_size - width)) if width < vocab_size else draft_probs
+
+
 def sample_accept_tree(
     tree_ids: list[int],
     parent: list[int],

@@ -80,7 +80,7 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
-from .acceptance import greedy_accept, position_gumbel_noise, sample_accept_tree
+from .acceptance import greedy_accept, match_draft_vocab, position_gumbel_noise, sample_accept_tree
 from .cache import select_cache_positions, select_cache_rows, validate_cache_for_speculation
 from .tree import (
     DraftTree,
@@ -464,7 +464,8 @@ class SpeculativeEngine:
         for b in range(tree_ids.shape[0]):
             q = None
             if tree.draft_probs is not None:
-                q = torch.cat([torch.zeros_like(probs[b, :1]), tree.draft_probs[b].to(probs)], dim=0)
+                q = match_draft_vocab(tree.draft_probs[b].to(probs), probs.shape[-1])
+                q = torch.cat([torch.zeros_like(probs[b, :1]), q], dim=0)
             path, token = sample_accept_tree(
                 tree_ids[b].tolist(), parent[b].tolist(), probs[b], q, node_valid[b].tolist()
             )

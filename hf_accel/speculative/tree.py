@@ -32,7 +32,9 @@ class DraftTree:
         draft_probs (`torch.FloatTensor` of shape `(batch_size, num_nodes, vocab_size)`, *optional*):
             The distribution each node's token was *sampled* from (siblings are i.i.d. draws from the same
             distribution). Only needed for lossless sampling with a stochastic drafter. Leave it `None` for
-            deterministic drafters (argmax, n-gram lookups): the engine then uses the point-mass rule.
+            deterministic drafters (argmax, n-gram lookups): the engine then uses the point-mass rule. A draft model
+            whose vocabulary is a prefix of the target's (its embedding padded to another multiple) may give fewer
+            than the target's `vocab_size` columns: the missing ids have probability 0.
         node_mask (`torch.BoolTensor` of shape `(batch_size, num_nodes)`, *optional*):
             `False` for padding nodes: they are computed (the batch is rectangular) but never accepted.
         aux_embeds (`torch.FloatTensor` of shape `(batch_size, num_aux, hidden_size)`, *optional*):

@@ -165,6 +165,32 @@ def test_sampling_keeps_target_distribution(stochastic):
     assert out.speculative_stats.mean_accepted > 1.0
 
 
+def test_draft_probabilities_over_a_smaller_vocabulary_are_padded():
+    """A draft model whose vocabulary is a prefix of the target's (an embedding padded to a multiple) drafts with
+    zero probability on the extra ids; a larger one is refused in one line (it was a `torch.cat` size error)."""
+    model = make_tiny_llama(seed=1, vocab_size=12)
+
+    class Padded(_ContextFreeProbe):
+        def __init__(self, vocab, pad):
+            super().__init__(vocab, stochastic=True)
+            self.pad = pad
+
+        def propose(self, request):
+            tree = super().propose(request)
+            probs = torch.nn.functional.pad(tree.draft_probs, (0, self.pad))
+            return DraftTree(tree.input_ids, tree.parent, draft_probs=probs)
+
+    outs = []
+    for drafter in (_ContextFreeProbe(10, stochastic=True), Padded(10, pad=2)):
+        torch.manual_seed(0)
+        outs.append(model.generate(torch.tensor([[3, 5, 7]] * 4), max_new_tokens=6, do_sample=True,
+                                   custom_generate=custom_generate, drafter=drafter))  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="cover 14 token ids, the target's logits only 12"):
+        model.generate(torch.tensor([[3, 5, 7]]), max_new_tokens=6, do_sample=True, custom_generate=custom_generate,
+                       drafter=Padded(12, pad=2))  # fmt: skip
+
+
 def test_sampling_is_reproducible_with_seed(tiny_llama):
     input_ids, attention_mask = _ragged_batch(2)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 10, "do_sample": True,
