@@ -149,12 +149,23 @@ def test_sampling_keeps_target_distribution(stochastic):
             logits[logits < logits.topk(top_k).values[-1]] = -float("inf")
             return torch.softmax(logits, -1)
 
+        eos, pad = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+
+        def next_law(ids):  # after EOS, padding
+            return torch.nn.functional.one_hot(torch.tensor(pad), 12).float() if eos in ids[0, 3:] else law(ids)
+
         p1 = law(prompt)
-        joint = torch.stack([p1[a] * law(torch.cat([prompt, torch.tensor([[a]])], 1)) for a in range(12)])
+        joint = torch.stack([p1[a] * next_law(torch.cat([prompt, torch.tensor([[a]])], 1)) for a in range(12)])
+        # the third token's marginal: it follows the depth-2 node when both draft levels are accepted
+        third = sum(
+            joint[a, b] * next_law(torch.cat([prompt, torch.tensor([[a, b]])], 1))
+            for a in range(12)
+            for b in range(12)
+        )
     n = 3000
     torch.manual_seed(0)
     out = model.generate(
-        prompt.expand(n, -1), max_new_tokens=3, do_sample=True, temperature=temperature, top_k=top_k,
+        prompt.expand(n, -1), max_new_tokens=4, do_sample=True, temperature=temperature, top_k=top_k,
         custom_generate=custom_generate, drafter=_ContextFreeProbe(12, stochastic),
     )  # fmt: skip
     counts = torch.zeros(12, 12)
@@ -162,6 +173,8 @@ def test_sampling_keeps_target_distribution(stochastic):
         counts[a, b] += 1
     tv = 0.5 * (counts / n - joint).abs().sum()
     assert tv < 0.07, tv  # sampling noise for ~16 outcomes at n=3000 is ~0.03
+    tv_third = 0.5 * (torch.bincount(out[:, 5], minlength=12) / n - third).abs().sum()
+    assert tv_third < 0.05, tv_third  # ~4 likely outcomes: noise ~0.02
     assert out.speculative_stats.mean_accepted > 1.0
 
 
