@@ -546,8 +546,13 @@ def populate_hub_cache(
     for path in files:
         blob = repo / "blobs" / digests[path]
         blob.parent.mkdir(parents=True, exist_ok=True)
-        if not blob.exists():
-            blob.write_bytes(_read(published[path]))
+        if not blob.exists():  # written under another name first: a blob cut short would be kept by every rerun
+            partial = blob.with_name(f"{blob.name}.{os.getpid()}.incomplete")
+            try:
+                partial.write_bytes(_read(published[path]))
+                os.replace(partial, blob)
+            finally:
+                partial.unlink(missing_ok=True)
         target = snapshot / path.relative_to(folder)
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists() or target.is_symlink():

@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import shutil
@@ -405,3 +406,27 @@ def test_a_card_saved_without_a_repo_id_is_published_naming_the_repository(tmp_p
     assert 'custom_generate="me/my-index"' in published and "hf download me/my-index " in published
     assert "<your-namespace>" not in published
     assert "<your-namespace>/idx" in (artifact / "README.md").read_text()  # the local card is left as it was
+
+
+def test_a_cache_write_cut_short_leaves_no_blob_that_a_later_run_reuses(tmp_path, monkeypatch):
+    """Blobs are named by their content's hash and a rerun keeps any blob already there: one cut short (a full disk,
+    an interruption) must never sit under that name, or the rerun publishes the truncated file."""
+    artifact = tmp_path / "artifact"
+    write_model_card(artifact, "drafter-index", "org/base")
+    (artifact / "tokens.u32").write_bytes(bytes(range(256)) * 64)
+    write_bytes = Path.write_bytes
+
+    def cut_short(self, data):
+        write_bytes(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", cut_short)
+    with pytest.raises(OSError, match="No space left"):
+        populate_hub_cache(artifact, "me/idx", cache_dir=tmp_path / "hub")
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    snapshot = populate_hub_cache(artifact, "me/idx", cache_dir=tmp_path / "hub")
+    clean = populate_hub_cache(artifact, "me/idx", cache_dir=tmp_path / "clean")
+    for name in ("README.md", "tokens.u32"):
+        assert (snapshot / name).read_bytes() == (clean / name).read_bytes()
+    for blob in (tmp_path / "hub" / "models--me--idx" / "blobs").iterdir():  # no leftovers either
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name
