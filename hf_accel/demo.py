@@ -32,6 +32,7 @@ DEMO_PROMPTS = [
 ]
 _SHIPPED_INDEX = Path(__file__).resolve().parent / "data" / "indexes" / "smollm2-135m-chat-build"
 _PPL_TOKENS = 2048
+_PPL_SEQ_LEN = 512
 
 
 def add_cli(commands) -> None:
@@ -115,7 +116,7 @@ def _compression_rows(name, model, tokenizer, kv_keep: float) -> tuple[list[dict
     probe = torch.arange(32)[None] % model.config.vocab_size
     rows = []
     for label, m in (("original", model), (f"CARE kv-keep {kv_keep:g}", care)):
-        ppl = compute_perplexity(m, tokenizer, text, seq_len=512, max_tokens=_PPL_TOKENS, progress=False)["ppl"]
+        ppl = compute_perplexity(m, tokenizer, text, _PPL_SEQ_LEN, _PPL_TOKENS, progress=False)["ppl"]
         rows.append({"model": label, "kv_bytes_per_token": measure_cache_bytes_per_token(m, probe), "ppl": ppl})
     return rows, str(cached)
 
@@ -135,18 +136,23 @@ def run_demo(args: argparse.Namespace) -> int:
     model, tokenizer = load_model_and_tokenizer(args.model)
     index = str(_SHIPPED_INDEX) if args.model == DEFAULT_MODEL else None  # the shipped index is the default's
     drafter = build_drafter("ngram", index, model, tokenizer)
-    result = {"model": args.model, "dtype": str(model.dtype), "ngram_index": index}
+    result = {"model": args.model, "dtype": str(model.dtype), "max_new_tokens": args.max_new_tokens}
+    result["ngram_index"] = index
     result["speculative"] = _speculative_rows(model, tokenizer, drafter, args.max_new_tokens)
     if not args.no_convert:
         result["compression"], result["care_checkpoint"] = _compression_rows(
             args.model, model, tokenizer, args.kv_keep
         )
-    print_json(result) if args.json else _print_tables(result, args)
+        result["kv_keep"] = args.kv_keep
+        result["perplexity_text"] = {"text": "textwrap.py", "max_tokens": _PPL_TOKENS, "seq_len": _PPL_SEQ_LEN}
+    print_json(result) if args.json else _print_tables(result)
     return 0
 
 
-def _print_tables(result: dict, args) -> None:
-    print(f"hf-accel demo · {result['model']} · {result['dtype']} · greedy, max_new_tokens {args.max_new_tokens}\n")
+def _print_tables(result: dict) -> None:
+    print(
+        f"hf-accel demo · {result['model']} · {result['dtype']} · greedy, max_new_tokens {result['max_new_tokens']}\n"
+    )
     print("Speculative decoding: plain generate vs the ngram drafter (generate(custom_generate=...))")
     print(f"{'prompt':<40}{'tokens':>7}{'vanilla':>9}{'ngram':>8}{'speedup':>9}{'acc/pass':>9}{'same':>6}  answer")
     for r in result["speculative"]:
@@ -162,4 +168,5 @@ def _print_tables(result: dict, args) -> None:
         print(f"{'model':<22}{'KV bytes/token':>16}{'perplexity':>12}")
         for r in result["compression"]:
             print(f"{r['model']:<22}{r['kv_bytes_per_token']:>16,.0f}{r['ppl']:>12.2f}")
-        print(f"perplexity: Python's textwrap.py, first {_PPL_TOKENS} tokens, 512-token windows")
+        ppl = result["perplexity_text"]
+        print(f"perplexity: Python's {ppl['text']}, first {ppl['max_tokens']} tokens, {ppl['seq_len']}-token windows")

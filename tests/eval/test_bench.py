@@ -132,6 +132,7 @@ def test_cli_ppl_and_demo_json(default_model, shakespeare_text, capsys, tmp_path
     assert main(["demo", "--max-new-tokens", "8", "--no-convert", "--json"]) == 0
     demo = json.loads(capsys.readouterr().out)
     assert len(demo["speculative"]) == 3 and all(r["identical"] for r in demo["speculative"])
+    assert demo["max_new_tokens"] == 8  # what the figures were measured with, as the printed table says
     assert "compression" not in demo
 
 
