@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -395,10 +396,12 @@ def save_artifact(
     """
     from .compress.export import staged_files
 
-    _artifact_kind(kind)
-    base_model = hub_base_model(base_model)  # both checked before anything is written
-    if card.get("ranks_plot") is not None and not Path(card["ranks_plot"]).is_file():
-        raise FileNotFoundError(f"image not found: {card['ranks_plot']}")
+    base_model = hub_base_model(base_model)
+    # The card is written last, once the files are in: its arguments (kind, image, evaluation results, the keywords
+    # themselves) are checked first, by rendering it where nothing is kept, so that a bad one leaves no new files
+    # beside the old card.
+    with tempfile.TemporaryDirectory() as scratch:
+        write_model_card(scratch, kind, base_model, **card)
     with staged_files(output_dir) as tmp:
         if model is not None:
             _save_model(model, tmp, base_model)

@@ -24,6 +24,7 @@ from tests.tiny_checkpoints import logits_in_fresh_process, sample_logits, write
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = REPO_ROOT / "pyproject.toml"
 PERPLEXITY = {"metric_type": "perplexity", "metric_value": 12.34, "dataset_name": "tinyshakespeare"}
 
 
@@ -248,6 +249,23 @@ def test_save_artifact_is_atomic_and_adds_to_an_existing_directory(tmp_path):
     assert (out / "notes.txt").read_text() == "kept"
     card = (out / "README.md").read_text()
     assert "# artifact" in card and "(ranks.png)" in card  # titled after the directory, not the temporary one
+
+
+@pytest.mark.parametrize(
+    "bad_card",
+    [
+        {"eval_results": [{"metric_type": "perplexity", "metric_value": 1.0}]},  # no dataset_name
+        {"repoid": "me/typo"},  # not an argument of the card
+        {"ranks_plot": "/no/such/ranks.png"},
+    ],
+)
+def test_a_card_that_cannot_be_written_leaves_the_artifact_as_it_was(tmp_path, bad_card):
+    out = save_artifact(tmp_path / "artifact", "converted-model", "org/base", files=[PYPROJECT])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (tmp_path / "new_weights.safetensors").write_bytes(b"new")
+    with pytest.raises((TypeError, ValueError, FileNotFoundError)):
+        save_artifact(out, "converted-model", "other/base", files=[tmp_path / "new_weights.safetensors"], **bad_card)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no new files beside the old card
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a second filesystem (/dev/shm)")
