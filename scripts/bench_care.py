@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 
-DEFAULT_TEXT = "/work/shared/data/tinyshakespeare.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # ../shared
 
 
 def parse_args(argv=None):

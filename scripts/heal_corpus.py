@@ -21,7 +21,7 @@ import sysconfig
 from pathlib import Path
 
 
-DEFAULT_TEXT = "/work/shared/data/tinyshakespeare.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # ../shared
 INDEXES = ("smollm2-135m-chat-build", "smollm2-135m-humaneval-first100")
 
 

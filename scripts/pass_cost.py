@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    args.tokens = sorted({1, *args.tokens})  # ratios are relative to one token
 
     model, _ = load_model_and_tokenizer(args.model)
     generator = torch.Generator().manual_seed(0)
@@ -59,16 +60,14 @@ def main(argv=None) -> int:
         "context": args.context,
         "threads": torch.get_num_threads(),
         "ms": {str(n): round(v, 1) for n, v in ms.items()},
-        "relative": {str(n): round(v / ms[args.tokens[0]], 2) for n, v in ms.items()},
+        "relative": {str(n): round(v / ms[1], 2) for n, v in ms.items()},
         "head_ms": {str(n): round(v, 1) for n, v in head_ms.items()},
     }
     if args.json:
         print(json.dumps(result))
     else:
         for n in args.tokens:
-            print(
-                f"n = {n:3d}: {ms[n]:7.1f} ms  ({ms[n] / ms[args.tokens[0]]:.2f}x), output projection {head_ms[n]:.1f} ms"
-            )
+            print(f"n = {n:3d}: {ms[n]:7.1f} ms  ({ms[n] / ms[1]:.2f}x), output projection {head_ms[n]:.1f} ms")
     return 0
 
 
