@@ -18,9 +18,10 @@ DEFAULT_VERIFY_COST = ((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1))
 
 
 def interpolate_cost(num_tokens: int, points) -> float:
-    """Piecewise-linear interpolation of `(tokens, cost)` points, extrapolated linearly past the last one."""
+    """Piecewise-linear interpolation of `(tokens, cost)` points, extrapolated linearly past the last one (one point:
+    a constant cost)."""
     points = sorted(points)
-    if num_tokens <= points[0][0]:
+    if num_tokens <= points[0][0] or len(points) == 1:
         return points[0][1]
     for (x0, y0), (x1, y1) in itertools.pairwise(points):
         if num_tokens <= x1:
