@@ -515,11 +515,13 @@ def convert_palu(
 
 def window_bytes_per_sequence(palu_model) -> int:
     """The full-precision window's bytes: a fixed cost per sequence, the latents of its `palu_residual_length` most
-    recent tokens in the model's dtype (the cache's bytes per token leave it out)."""
+    recent tokens in the model's dtype and their int64 positions, one per token and layer (the cache's bytes per
+    token leave it out)."""
     cfg = palu_model.config
     groups = cfg.num_key_value_heads // cfg.palu_group_size
     latents = groups * (sum(cfg.palu_k_ranks) + sum(cfg.palu_v_ranks))
-    return cfg.palu_residual_length * latents * palu_model.dtype.itemsize
+    positions = cfg.num_hidden_layers * torch.tensor([], dtype=torch.long).element_size()
+    return cfg.palu_residual_length * (latents * palu_model.dtype.itemsize + positions)
 
 
 def _layer_scales(calibration, alpha: float, lam_frac: float) -> list:

@@ -260,10 +260,11 @@ class PaluQuantizedLayer(DynamicLayer):
         return 0 if not self.is_initialized else self.keys.shape[-2]
 
     def get_cache_bytes(self) -> int:
-        """True stored bytes: packed codes, scales and zero-points of keys and values, plus the window."""
+        """True stored bytes: packed codes, scales and zero-points of keys and values, plus the window (its latents
+        and their positions)."""
         if not self.is_initialized:
             return 0
-        window = sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        window = sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.window_positions))
         return self.quantized_keys.nbytes + self.quantized_values.nbytes + window
 
     def reset(self) -> None:

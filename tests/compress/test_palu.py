@@ -263,8 +263,9 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["kv_keep_achieved"] == 0.5 and summary["quant_bits"] == 3 and summary["quant_group_size"] == 2
     rank_sum = 2 * (sum(summary["k_ranks"]) + sum(summary["v_ranks"]))  # 2 groups per layer
-    # the window's latents are in the checkpoint's dtype (float32 here)
-    assert summary["residual_length"] == 4 and summary["window_bytes_per_sequence"] == 4 * rank_sum * 4
+    # the window's latents are in the checkpoint's dtype (float32 here), their positions int64, one per layer
+    layers = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    assert summary["residual_length"] == 4 and summary["window_bytes_per_sequence"] == 4 * (rank_sum * 4 + layers * 8)
     config = json.loads((out / "config.json").read_text())
     assert config["palu_quant_group_size"] == 2 and config["palu_residual_length"] == 4
     card = (out / "README.md").read_text()
@@ -365,4 +366,5 @@ def test_cli_saves_the_source_dtype(tmp_path, model, tokenizer, capsys):
     floats = {t.dtype for t in load_file(out / "model.safetensors").values() if t.is_floating_point()}
     assert floats == {torch.bfloat16}
     rank_sum = sum(summary["k_ranks"]) + sum(summary["v_ranks"])  # one group of 4 KV heads
-    assert summary["window_bytes_per_sequence"] == 4 * rank_sum * 2  # bfloat16 latents
+    layers = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    assert summary["window_bytes_per_sequence"] == 4 * (rank_sum * 2 + layers * 8)  # bfloat16 latents

@@ -180,7 +180,8 @@ def test_true_bytes(bits, window):
     layer.update(*_latents(9, 0))
     per_token = compute_bytes_per_token(RK, bits) + compute_bytes_per_token(RV, bits)
     full = (RK + RV) * 4 * min(window, 9)
-    assert layer.get_cache_bytes() == B * G * (9 * per_token) + B * G * full
+    positions = B * min(window, 9) * 8  # the window's int64 positions, one per row and token
+    assert layer.get_cache_bytes() == B * G * (9 * per_token) + B * G * full + positions
 
 
 def test_early_initialization_placeholder_shapes_are_replaced():
