@@ -41,6 +41,9 @@ DEFAULT_IGNORE_PATTERNS = (
     ".staging-*",
     ".staging-*/*",
 )
+# Weight files: a re-push deletes the repository's ones the artifact no longer has (a stale `model.safetensors` beside
+# new shards would be loaded first), as `save_pretrained` removes stale shards from a local folder.
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 # Aliases of this project that stand for Hub repositories (the card's `base_model` must be a Hub id).
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 # A card saved without a repo id shows `<your-namespace>/NAME` in its snippets; publishing fills in the repository.
@@ -442,7 +445,8 @@ def push_to_hub(
 ) -> str:
     """Creates (if needed) the model repository `repo_id` and uploads `folder` to it, in one commit (a drafter's
     `custom_generate/generate.py`, see [`write_custom_generate`], and a card saved without `repo_id` are published
-    naming the repository).
+    naming the repository). Weight files already in the repository that `folder` does not have are deleted in the
+    same commit, so that a re-push never leaves an earlier checkpoint's weights beside the new ones.
 
     Args:
         folder (`str` or `Path`): an artifact directory (see [`save_artifact`]).
@@ -458,7 +462,7 @@ def push_to_hub(
     Raises:
         `HubError`: no token, the Hub unreachable (or `HF_HUB_OFFLINE=1`), or the Hub refusing the upload.
     """
-    from huggingface_hub import CommitOperationAdd, HfApi, get_token
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
     folder = Path(folder)
@@ -475,6 +479,12 @@ def push_to_hub(
         operations = [
             CommitOperationAdd(path.relative_to(folder).as_posix(), _published_bytes(path, folder, url.repo_id))
             for path in _artifact_files(folder, ignore_patterns)
+        ]
+        uploaded = {op.path_in_repo for op in operations}
+        operations += [
+            CommitOperationDelete(name)
+            for name in api.list_repo_files(url.repo_id, repo_type="model")
+            if name not in uploaded and any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_PATTERNS)
         ]
         api.create_commit(url.repo_id, operations, commit_message=commit_message or f"Upload {folder.name}")
     except HfHubHTTPError as err:  # before OSError: it is one

@@ -351,12 +351,36 @@ def test_push_points_custom_generate_at_the_repository(tmp_path, monkeypatch):
     monkeypatch.setattr(
         HfApi, "create_commit", lambda self, repo_id, operations, **kw: commits.append((repo_id, operations))
     )
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: [])
     push_to_hub(artifact, "idx", token="hf_unused")
     [(repo_id, operations)] = commits
     files = {op.path_in_repo: op for op in operations}
     assert repo_id == "me/idx" and {"README.md", "header.json", "custom_generate/requirements.txt"} <= set(files)
     generate = files["custom_generate/generate.py"].path_or_fileobj
     assert "ARTIFACT = 'me/idx'" in (generate if isinstance(generate, bytes) else generate.read()).decode()
+
+
+def test_a_re_push_deletes_weight_files_the_artifact_no_longer_has(tmp_path, monkeypatch):
+    """A checkpoint re-saved in shards: the repository's old `model.safetensors` would be loaded before the shards."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, RepoUrl
+
+    artifact = tmp_path / "a"
+    artifact.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "config.json"):
+        (artifact / name).write_bytes(b"x")
+    (artifact / "model.safetensors.index.json").write_text("{}")
+    save_artifact(artifact, "converted-model", "org/base")
+    on_hub = ["model.safetensors", "pytorch_model.bin", "model-00001-of-00002.safetensors", "notes.txt", "README.md"]
+    commits = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: RepoUrl(f"https://huggingface.co/{repo_id}"))
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: on_hub)
+    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, **kw: commits.append(operations))
+    push_to_hub(artifact, "me/m", token="hf_unused")
+    [operations] = commits
+    deleted = {op.path_in_repo for op in operations if isinstance(op, CommitOperationDelete)}
+    added = {op.path_in_repo for op in operations if isinstance(op, CommitOperationAdd)}
+    assert deleted == {"model.safetensors", "pytorch_model.bin"}  # a user's other files stay
+    assert {"model-00001-of-00002.safetensors", "model.safetensors.index.json", "README.md"} <= added
 
 
 def test_write_custom_generate_refuses_an_unknown_drafter(tmp_path):
