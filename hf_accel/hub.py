@@ -540,12 +540,19 @@ def populate_hub_cache(
         `Path`: the snapshot directory.
     """
     from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
 
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"not a directory: {folder}")
-    if repo_id.count("/") != 1:
-        raise ValueError(f"repo_id must be ORG/NAME, got {repo_id!r}")
+    try:
+        validate_repo_id(repo_id)
+        valid = repo_id.count("/") == 1
+    except HFValidationError:
+        valid = False
+    if not valid:
+        raise ValueError(f"repo_id must be ORG/NAME (letters, digits, '-', '_', '.'), got {repo_id!r}")
     files = _artifact_files(folder, ignore_patterns)
     published = {path: _published_bytes(path, folder, repo_id) for path in files}  # a path, or edited bytes
     digests = {path: hashlib.sha256(_read(data)).hexdigest() for path, data in published.items()}

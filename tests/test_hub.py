@@ -166,6 +166,14 @@ def test_push_refuses_a_directory_without_a_card(tmp_path):
         push_to_hub(tmp_path, "me/x", token="unused")
 
 
+@pytest.mark.parametrize("repo_id", ["/x", "x/", "org/na me", "a/b/c", "name"])
+def test_the_cache_writer_refuses_a_repo_id_the_hub_would_refuse(tmp_path, repo_id):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="repo_id must be ORG/NAME"):
+        populate_hub_cache(tmp_path, repo_id, cache_dir=tmp_path / "hub")
+    assert not (tmp_path / "hub").exists()
+
+
 AUTO_PEFT_RELOAD = """
 import sys, torch
 from peft import AutoPeftModelForCausalLM
