@@ -83,16 +83,17 @@ def _run_build(args) -> int:
     prepare_s = time.perf_counter() - start
     header, build_s = build_index_from_documents(documents, tokenizer, args.out, sources, args.model)
     card = _write_card(args.out, args.model, header)
+    tokens = header.num_indexed_tokens  # not the stream's separators
     result = {
-        "out": str(args.out), "model": args.model, "tokens": header.num_tokens, "documents": header.num_documents,
+        "out": str(args.out), "model": args.model, "tokens": tokens, "documents": header.num_documents,
         "sources": sources, "prepare_s": round(prepare_s, 3), "self_distill_s": round(generation_s, 3),
-        "build_s": round(build_s, 3), "build_tokens_per_s": round(header.num_tokens / max(build_s, 1e-9)),
+        "build_s": round(build_s, 3), "build_tokens_per_s": round(tokens / max(build_s, 1e-9)),
         "model_card": card,
     }  # fmt: skip
     if args.json:
         print_json(result)
     else:
-        print(f"index {args.out}: {header.num_tokens:,} tokens in {header.num_documents:,} documents")
+        print(f"index {args.out}: {tokens:,} tokens in {header.num_documents:,} documents")
         print(f"  suffix array built in {build_s:.2f} s ({result['build_tokens_per_s']:,} tokens/s)")
         print(f"  inputs prepared in {prepare_s:.1f} s (self-distillation {generation_s:.1f} s)")
         if card is None:
@@ -112,7 +113,11 @@ def _write_card(out: str, model: str, header) -> str | None:
             (Path(out) / "README.md").unlink()
             shutil.rmtree(Path(out) / "custom_generate", ignore_errors=True)
         return None
-    settings = {"tokens": header.num_tokens, "documents": header.num_documents, "tokenizer": header.tokenizer_name}
+    settings = {
+        "tokens": header.num_indexed_tokens,
+        "documents": header.num_documents,
+        "tokenizer": header.tokenizer_name,
+    }
     settings.update({f"source {i + 1}": source for i, source in enumerate(header.sources or [])})
     save_artifact(out, "drafter-index", base_model, drafter="ngram", settings=settings)
     return str(Path(out) / "README.md")

@@ -541,3 +541,25 @@ def test_self_distill_pads_on_the_left_whatever_the_tokenizer_says(tmp_path, use
         reference = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1] :]
         assert batched[i] == _strip_after_eos(reference.tolist(), {model.generation_config.eos_token_id})
         assert tokenizer.padding_side == "right"  # the caller's tokenizer is left as it was
+
+
+def test_index_build_reports_the_documents_tokens_not_the_separators(tmp_path, capsys):
+    """The stream holds one separator per document: `tokens` counts what was indexed (it counted separators too)."""
+    from hf_accel.cli import main
+    from hf_accel.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    texts = ["def add(a, b):\n    return a + b\n", "hello world\n", "x = 1\n"]
+    paths = []
+    for i, text in enumerate(texts):
+        paths.append(tmp_path / f"{i}.txt")
+        paths[-1].write_text(text)
+    expected = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts)
+    out = tmp_path / "idx"
+    assert main(["index", "build", "--out", str(out), "--text", *map(str, paths), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (result["tokens"], result["documents"]) == (expected, 3)
+    assert f"| `tokens` | `{expected}` |" in (out / "README.md").read_text()
+    assert main(["index", "build", "--out", str(out), "--text", *map(str, paths)]) == 0
+    assert f"{expected:,} tokens in 3 documents" in capsys.readouterr().out
+    assert InfinigramIndex(out).header.num_indexed_tokens == expected

@@ -3,7 +3,7 @@
 Layout of an index directory (format version 1):
 
 - `header.json`: `{"format_version", "tokenizer_name", "vocab_hash", "vocab_size", "num_tokens", "num_documents",
-  "sa_dtype", "sources"}`;
+  "sa_dtype", "sources"}` (`num_tokens` is the stream's length, separators included);
 - `tokens.u32`: the token stream, little-endian `uint32`, documents separated by `SEPARATOR` (`0xFFFFFFFF`, never
   a token id, so vocabularies beyond 65,535 work);
 - `sa.bin`: the suffix array of the **reversed** stream (`int32` below 2^31 tokens, `int64` above), built with
@@ -45,6 +45,11 @@ class IndexHeader:
     sa_dtype: str = "int32"
     sources: list = field(default_factory=list)
     format_version: int = INDEX_FORMAT_VERSION
+
+    @property
+    def num_indexed_tokens(self) -> int:
+        """Tokens of the documents: `num_tokens` is the stream's length, one separator per document included."""
+        return self.num_tokens - self.num_documents
 
 
 def tokenizer_fingerprint(tokenizer) -> tuple[str, str, int]:
@@ -185,11 +190,11 @@ class InfinigramIndex:
         if (
             self.first.dtype.kind not in "iu"
             or self.first.shape != (header.vocab_size + 1,)
-            or (int(self.first[0]) != 0 or int(self.first[-1]) != header.num_tokens - header.num_documents)
+            or (int(self.first[0]) != 0 or int(self.first[-1]) != header.num_indexed_tokens)
         ):
             raise ValueError(
                 f"index {self.path}: first.npy ({self.first.dtype}, shape {self.first.shape}) does not match the header "
-                f"(int64, shape ({header.vocab_size + 1},), ending at {header.num_tokens - header.num_documents}){rebuild}"
+                f"(int64, shape ({header.vocab_size + 1},), ending at {header.num_indexed_tokens}){rebuild}"
             )
         self.tokens = np.memmap(self.path / "tokens.u32", dtype="<u4", mode="r")
         self.suffix_array = np.memmap(self.path / "sa.bin", dtype=header.sa_dtype, mode="r")
