@@ -563,3 +563,10 @@ def test_index_build_reports_the_documents_tokens_not_the_separators(tmp_path, c
     assert main(["index", "build", "--out", str(out), "--text", *map(str, paths)]) == 0
     assert f"{expected:,} tokens in 3 documents" in capsys.readouterr().out
     assert InfinigramIndex(out).header.num_indexed_tokens == expected
+
+
+def test_a_document_with_ids_outside_the_vocabulary_is_named_by_its_place(tmp_path):
+    """Empty documents are skipped, not renumbered: the error names the bad document's position in the input."""
+    with pytest.raises(ValueError, match=r"^document 2 has token ids outside \[0, 200000\)"):
+        build_index([[3, 7], [], [3, 200000]], tmp_path / "idx", *_fingerprint())
+    assert not (tmp_path / "idx").exists()

@@ -83,12 +83,12 @@ def build_index(
     from pydivsufsort import divsufsort  # avoid importing the C library unless an index is built
 
     chunks, num_documents = [], 0
-    for doc in documents:
+    for number, doc in enumerate(documents):
         array = np.asarray(doc, dtype=np.int64)
         if len(array) == 0:
             continue
         if array.min() < 0 or array.max() >= vocab_size:
-            raise ValueError(f"document {num_documents} has token ids outside [0, {vocab_size})")
+            raise ValueError(f"document {number} has token ids outside [0, {vocab_size})")
         chunks.append(array.astype(np.uint32))
         chunks.append(np.array([SEPARATOR], dtype=np.uint32))
         num_documents += 1
