@@ -93,8 +93,8 @@ def resolve_model(name_or_path: str) -> str:
         if not (out / "config.json").is_file():
             _convert_gguf(_gguf_path(), out)
         return str(out)
-    if os.path.isdir(name_or_path):
-        return name_or_path
+    if os.path.isdir(os.path.expanduser(name_or_path)):
+        return os.path.expanduser(name_or_path)  # `~/...` as `--out` and index paths take it
     if looks_like_local_path(name_or_path):
         raise ModelNotFoundError(f"model {name_or_path!r} is not a directory, a Hub id, or `{DEFAULT_MODEL}`")
     if hub_unreachable():

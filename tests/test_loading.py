@@ -74,3 +74,17 @@ def test_a_directory_without_a_model_is_one_line_and_a_tokenizer_directory_serve
     assert load_tokenizer(str(tmp_path / "tokenizer")).convert_tokens_to_ids("a") is not None
     with pytest.raises(ModelNotFoundError, match="holds no config.json: it is not a saved model"):
         load_model_and_tokenizer(str(tmp_path / "tokenizer"))
+
+
+def test_a_model_directory_under_the_home_directory_loads_by_a_tilde_path(tmp_path, monkeypatch):
+    """`~/...` is a path (as for `--out` and index directories), not 'not a directory'."""
+    from hf_accel.loading import load_tokenizer
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_tiny_llama(tmp_path / "models" / "tiny", seed=0)
+    assert resolve_model("~/models/tiny") == str(tmp_path / "models" / "tiny")
+    model, tokenizer = load_model_and_tokenizer("~/models/tiny")
+    assert model.config.model_type == "llama" and tokenizer.padding_side == "left"
+    assert load_tokenizer("~/models/tiny").get_vocab() == tokenizer.get_vocab()
+    with pytest.raises(ModelNotFoundError, match="is not a directory"):
+        resolve_model("~/models/missing")
