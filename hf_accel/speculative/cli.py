@@ -75,14 +75,12 @@ def _run_build(args) -> int:
     for name, offset, limit in prompt_sets:
         prompts = load_prompts(name, tokenizer, limit=limit, offset=offset)
         tic = time.perf_counter()
-        documents += self_distill(
-            model, tokenizer, prompts, args.out, args.max_new_tokens, args.batch_size, args.model
-        )
+        documents += self_distill(model, tokenizer, prompts, out, args.max_new_tokens, args.batch_size, args.model)
         generation_s += time.perf_counter() - tic
         sources.append(f"self-distill:{name}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}")
     prepare_s = time.perf_counter() - start
-    header, build_s = build_index_from_documents(documents, tokenizer, args.out, sources, args.model)
-    card = _write_card(args.out, args.model, header)
+    header, build_s = build_index_from_documents(documents, tokenizer, out, sources, args.model)
+    card = _write_card(str(out), args.model, header)
     tokens = header.num_indexed_tokens  # not the stream's separators
     result = {
         "out": str(args.out), "model": args.model, "tokens": tokens, "documents": header.num_documents,

@@ -570,3 +570,23 @@ def test_a_document_with_ids_outside_the_vocabulary_is_named_by_its_place(tmp_pa
     with pytest.raises(ValueError, match=r"^document 2 has token ids outside \[0, 200000\)"):
         build_index([[3, 7], [], [3, 200000]], tmp_path / "idx", *_fingerprint())
     assert not (tmp_path / "idx").exists()
+
+
+def test_index_build_puts_everything_in_a_tilde_out_directory(tmp_path, monkeypatch, capsys):
+    """`--out=~/idx` (no shell expansion after `=`): the self-distillation cache and the model card went to a `./~/idx`
+    directory while the index went to `$HOME/idx`."""
+    from hf_accel.cli import main
+    from hf_accel.loading import hf_accel_home
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(hf_accel_home()))  # the converted default model, before HOME moves
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    argv = ["index", "build", "--out=~/idx", "--text", str(text), "--self-distill", "chat_build[:1]"]
+    assert main([*argv, "--max-new-tokens", "2"]) == 0, capsys.readouterr().err
+    assert not any((tmp_path / "cwd").iterdir())
+    out = tmp_path / "home" / "idx"
+    assert {"README.md", "self_distill.jsonl", *INDEX_FILES} <= set(os.listdir(out))
+    assert InfinigramIndex(out).header.num_documents == 2
