@@ -63,7 +63,7 @@ def main():
         index = InfinigramIndex(tmp)
         grid = json.loads(args.grid)
         keys = list(grid)
-        print(f"index: {header.num_tokens} tokens from {len(build)} outputs; eval on {len(held)} outputs")
+        print(f"index: {header.num_indexed_tokens} tokens from {len(build)} outputs; eval on {len(held)} outputs")
         for values in itertools.product(*[grid[k] for k in keys]):
             overrides = dict(zip(keys, values))
             for use_index in json.loads(os.environ.get("SIM_INDEX", "[false, true]")):
