@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
+from transformers.trainer_utils import SaveStrategy
 
 from ..eval.perplexity import compute_perplexity
 
@@ -127,7 +128,8 @@ class PerplexityCallback(TrainerCallback):
 
 class TimeBudgetCallback(TrainerCallback):
     """Stops training after `max_minutes` of wall time since training began (validation included), at the end of
-    the first optimizer step past the budget; the Trainer then saves and finishes as after its last step.
+    the first optimizer step past the budget; the Trainer then saves and finishes as after its last step (a checkpoint
+    with `save_strategy="steps"`, at the epoch's end with `"epoch"`, none with `"no"`).
 
     Under distributed training the processes decide together (any one past the budget stops all of them at the same
     step): clocks differ by the main process's validation, and a process that stopped alone would leave the others
@@ -154,4 +156,5 @@ class TimeBudgetCallback(TrainerCallback):
             over = bool(flag.item())
         if over:
             control.should_training_stop = True
-            control.should_save = True
+            if args.save_strategy == SaveStrategy.STEPS:  # as DefaultFlowCallback at the last step
+                control.should_save = True

@@ -355,6 +355,14 @@ def test_time_budget_stops_training_after_the_step_that_passes_it(checkpoints, t
         _args(checkpoints, tmp_path / "bad", max_train_blocks=0)
 
 
+def test_time_budget_saves_no_checkpoint_when_checkpoints_are_off(checkpoints, tmp_path):
+    # as after the last step: `--save_strategy no` writes no checkpoint (it wrote one with the optimizer state)
+    args = _args(checkpoints, tmp_path / "budget", max_train_minutes=1e-9, save_strategy="no", validation_file=None)
+    assert run_healing(args).summary["steps"] == 1
+    assert not list((tmp_path / "budget").glob("checkpoint-*"))
+    assert (tmp_path / "budget" / "model.safetensors").is_file()
+
+
 def _merged_lora_weights(result):
     return {k: v for k, v in result.model.state_dict().items() if ".self_attn." in k}
 
@@ -481,7 +489,7 @@ def _budget_worker(rank, port, results):
         callback = TimeBudgetCallback(1.0)
         callback.start = time.monotonic() - (120.0 if rank == 1 else 0.0)  # only rank 1 is past its budget
         control = TrainerControl()
-        callback.on_step_end(SimpleNamespace(device=torch.device("cpu")), None, control)
+        callback.on_step_end(SimpleNamespace(device=torch.device("cpu"), save_strategy="steps"), None, control)
         results[rank] = control.should_training_stop
     finally:
         dist.destroy_process_group()
