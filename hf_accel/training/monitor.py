@@ -5,6 +5,7 @@ after every evaluation, so an interrupted run keeps its curve and a resumed run 
 """
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -102,7 +103,10 @@ class PerplexityCallback(TrainerCallback):
         point = {"step": step, "tokens": int(state.num_input_tokens_seen), "ppl": result["ppl"]}
         self.history["points"].append(point)
         self.history_file.parent.mkdir(parents=True, exist_ok=True)
-        self.history_file.write_text(json.dumps(self.history, indent=1), encoding="utf-8")
+        # atomically: an interruption (what resuming is for) leaves the previous curve, not a truncated file
+        tmp = self.history_file.with_name(f".{self.history_file.name}.tmp")
+        tmp.write_text(json.dumps(self.history, indent=1), encoding="utf-8")
+        os.replace(tmp, self.history_file)
         tqdm.write(f"step {step}: {point['tokens']} training tokens, validation perplexity {point['ppl']:.3f}")
 
     def _evaluated(self, step: int) -> bool:

@@ -363,6 +363,41 @@ def test_time_budget_saves_no_checkpoint_when_checkpoints_are_off(checkpoints, t
     assert (tmp_path / "budget" / "model.safetensors").is_file()
 
 
+def test_an_interrupted_history_write_keeps_the_previous_curve(tmp_path, monkeypatch):
+    # the curve is rewritten after every evaluation: a kill during that write left a truncated JSON file, which made
+    # the `--resume_from_checkpoint last` that the interruption calls for fail
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from hf_accel.training.monitor import PerplexityCallback, read_history
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    history_file = tmp_path / "ppl_history.json"
+    callback = PerplexityCallback(make_char_tokenizer(), HELD_OUT, 1, history_file, seq_len=16, max_tokens=64)
+    model = make_tiny_llama(vocab_size=VOCAB_SIZE)
+    callback.on_step_end(
+        None, SimpleNamespace(is_world_process_zero=True, global_step=1, num_input_tokens_seen=8), None, model=model
+    )
+    before = read_history(history_file)
+
+    def killed_while_writing(self, data, *args, **kwargs):
+        with open(self, "w", encoding="utf-8") as f:
+            f.write(data[: len(data) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        callback.on_step_end(
+            None,
+            SimpleNamespace(is_world_process_zero=True, global_step=2, num_input_tokens_seen=16),
+            None,
+            model=model,
+        )
+    monkeypatch.undo()
+    assert read_history(history_file) == before and [p["step"] for p in before["points"]] == [1]
+
+
 def _merged_lora_weights(result):
     return {k: v for k, v in result.model.state_dict().items() if ".self_attn." in k}
 
