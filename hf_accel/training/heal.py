@@ -173,6 +173,9 @@ class HealingArguments(TrainingArguments):
         ):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("train_seq_len", "validation_seq_len"):  # one token predicts nothing
+            if getattr(self, name) == 1:
+                raise ValueError(f"{name} must be at least 2 tokens, got 1")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:  # zero steps would save the student as if healed
             raise ValueError(
                 f"nothing to train: --max_steps {self.max_steps} and --num_train_epochs {self.num_train_epochs}; "

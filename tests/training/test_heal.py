@@ -493,6 +493,13 @@ def test_validation_sizes_that_are_not_positive_are_refused(checkpoints, tmp_pat
         _args(checkpoints, tmp_path / "v", **{name: -5})
 
 
+@pytest.mark.parametrize("name", ["train_seq_len", "validation_seq_len"])
+def test_one_token_windows_are_refused_by_their_option_name(checkpoints, tmp_path, name):
+    # a window of one token predicts nothing: this failed after the models had loaded, as "seq_len must be at least 2"
+    with pytest.raises(ValueError, match=f"^{name} must be at least 2 tokens, got 1"):
+        _args(checkpoints, tmp_path / "v", **{name: 1})
+
+
 def test_bad_lora_target_regex_is_one_line_before_loading(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="not a comma-separated list of regular expressions"):
         _args(checkpoints, tmp_path / "re", lora_target_modules="k_proj(")
