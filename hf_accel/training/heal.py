@@ -159,6 +159,11 @@ class HealingArguments(TrainingArguments):
             raise ValueError(f"training text file(s) not found: {', '.join(missing)}")
         if self.validation_file is not None and not Path(self.validation_file).is_file():
             raise ValueError(f"validation text file not found: {self.validation_file}")
+        if self.label_smoothing_factor != 0:  # HealingTrainer.compute_loss replaces the Trainer's label smoother
+            raise ValueError(
+                f"--label_smoothing_factor {self.label_smoothing_factor}: the healing loss (CE + distillation) has no "
+                "label smoothing; leave it at 0"
+            )
         if self.lora_target_modules not in ("attention", "all-linear"):
             _lora_target_patterns(self.lora_target_modules)  # a bad regular expression fails before any loading
         for name in (

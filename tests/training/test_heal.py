@@ -500,6 +500,13 @@ def test_one_token_windows_are_refused_by_their_option_name(checkpoints, tmp_pat
         _args(checkpoints, tmp_path / "v", **{name: 1})
 
 
+def test_label_smoothing_is_refused_not_ignored(checkpoints, tmp_path):
+    # the healing loss has no label smoothing: --label_smoothing_factor trained exactly as without it, without a word
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        _args(checkpoints, tmp_path / "ls", label_smoothing_factor=0.1)
+    assert _args(checkpoints, tmp_path / "ls", label_smoothing_factor=0.0).label_smoothing_factor == 0.0
+
+
 def test_bad_lora_target_regex_is_one_line_before_loading(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="not a comma-separated list of regular expressions"):
         _args(checkpoints, tmp_path / "re", lora_target_modules="k_proj(")
