@@ -388,6 +388,7 @@ def _perplexity_callback(args: HealingArguments, tokenizer, teacher, resume: boo
     history_file = Path(args.output_dir) / HISTORY_FILE
     reference = read_history(history_file)["reference_ppl"] if resume else None  # an old run's is not this run's
     if reference is None and teacher is not None:
+        teacher = teacher.to(args.device)  # it loaded on the CPU; HealingTrainer would move it there next anyway
         reference = compute_perplexity(teacher, tokenizer, text, seq_len, args.validation_max_tokens, progress=False)
         reference = reference["ppl"]
     return PerplexityCallback(

@@ -507,6 +507,27 @@ def test_label_smoothing_is_refused_not_ignored(checkpoints, tmp_path):
     assert _args(checkpoints, tmp_path / "ls", label_smoothing_factor=0.0).label_smoothing_factor == 0.0
 
 
+def test_teacher_reference_perplexity_runs_on_the_training_device(checkpoints, tmp_path, monkeypatch):
+    # the teacher loads on the CPU: its reference perplexity ran there, hours for a large teacher on a GPU run
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel.eval import perplexity
+    from hf_accel.training.heal import _perplexity_callback
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    devices = []
+
+    def fake_perplexity(model, *args, **kwargs):
+        devices.append(next(model.parameters()).device)
+        return {"ppl": 1.0}
+
+    monkeypatch.setattr(perplexity, "compute_perplexity", fake_perplexity)
+    monkeypatch.setattr(HealingArguments, "device", property(lambda self: torch.device("meta")))  # stands for a GPU
+    teacher = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"])
+    callback = _perplexity_callback(_args(checkpoints, tmp_path / "ref"), make_char_tokenizer(), teacher, False)
+    assert callback.history["reference_ppl"] == 1.0 and devices == [torch.device("meta")]
+
+
 def test_bad_lora_target_regex_is_one_line_before_loading(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="not a comma-separated list of regular expressions"):
         _args(checkpoints, tmp_path / "re", lora_target_modules="k_proj(")
