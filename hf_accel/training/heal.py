@@ -405,6 +405,8 @@ def _resume_target(args: HealingArguments):
         if last is None:
             raise ValueError(f"--resume_from_checkpoint {value}: no checkpoint-* directory in {args.output_dir}")
         return last
+    if not (Path(value) / "trainer_state.json").is_file():  # before the models load, not after packing the text
+        raise ValueError(f"--resume_from_checkpoint {value}: not a Trainer checkpoint (no trainer_state.json)")
     return value
 
 

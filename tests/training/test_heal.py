@@ -446,6 +446,8 @@ def test_a_used_directory_without_checkpoints_is_not_offered_for_resuming(checkp
     (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
     with pytest.raises(ValueError, match="pass --overwrite_output_dir, --resume_from_checkpoint last, or another"):
         run_healing(_args(checkpoints, out, max_steps=1))
+    with pytest.raises(ValueError, match="not a Trainer checkpoint"):  # refused before the models load
+        run_healing(_args(checkpoints, tmp_path / "fresh", max_steps=1, resume_from_checkpoint=str(tmp_path / "nope")))
 
 
 def test_lora_names_the_raw_attention_parameters_it_leaves_frozen():
