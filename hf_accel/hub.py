@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import json
 import os
+import posixpath
 import re
 import shutil
 import sys
@@ -445,8 +446,9 @@ def push_to_hub(
 ) -> str:
     """Creates (if needed) the model repository `repo_id` and uploads `folder` to it, in one commit (a drafter's
     `custom_generate/generate.py`, see [`write_custom_generate`], and a card saved without `repo_id` are published
-    naming the repository). Weight files already in the repository that `folder` does not have are deleted in the
-    same commit, so that a re-push never leaves an earlier checkpoint's weights beside the new ones.
+    naming the repository). Weight files already in the repository that `folder` does not have, in the folders it
+    writes to, are deleted in the same commit ([`stale_weight_files`]), so that a re-push never leaves an earlier
+    checkpoint's weights beside the new ones.
 
     Args:
         folder (`str` or `Path`): an artifact directory (see [`save_artifact`]).
@@ -480,12 +482,10 @@ def push_to_hub(
             CommitOperationAdd(path.relative_to(folder).as_posix(), _published_bytes(path, folder, url.repo_id))
             for path in _artifact_files(folder, ignore_patterns)
         ]
-        uploaded = {op.path_in_repo for op in operations}
-        operations += [
-            CommitOperationDelete(name)
-            for name in api.list_repo_files(url.repo_id, repo_type="model")
-            if name not in uploaded and any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_PATTERNS)
-        ]
+        stale = stale_weight_files(
+            api.list_repo_files(url.repo_id, repo_type="model"), [op.path_in_repo for op in operations]
+        )
+        operations += [CommitOperationDelete(name) for name in stale]
         api.create_commit(url.repo_id, operations, commit_message=commit_message or f"Upload {folder.name}")
     except HfHubHTTPError as err:  # before OSError: it is one
         raise HubError(f"the Hub refused the push to {repo_id}: {str(err).splitlines()[0]}") from err
@@ -495,6 +495,21 @@ def push_to_hub(
             "check the network and that HF_HUB_OFFLINE is not set"
         ) from err
     return str(url)
+
+
+def stale_weight_files(repo_files, uploaded) -> list[str]:
+    """The weight files of `repo_files` that a push of `uploaded` (paths in the repository) makes stale: those in a
+    folder the push writes to (the root, `adapter/`) that it does not write. Weight files in folders the artifact has
+    no file in (a Trainer's pushed `checkpoint-N/`, a user's own subfolder) are not the artifact's and stay."""
+    uploaded = set(uploaded)
+    folders = {posixpath.dirname(name) for name in uploaded}
+    return [
+        name
+        for name in repo_files
+        if name not in uploaded
+        and posixpath.dirname(name) in folders
+        and any(fnmatch.fnmatch(posixpath.basename(name), pattern) for pattern in WEIGHT_PATTERNS)
+    ]
 
 
 def _artifact_files(folder: Path, ignore_patterns) -> list[Path]:

@@ -391,6 +391,34 @@ def test_a_re_push_deletes_weight_files_the_artifact_no_longer_has(tmp_path, mon
     assert {"model-00001-of-00002.safetensors", "model.safetensors.index.json", "README.md"} <= added
 
 
+def test_a_re_push_keeps_weight_files_in_folders_the_artifact_does_not_write(tmp_path, monkeypatch):
+    """Checkpoints a Trainer pushed (`hub_strategy="all_checkpoints"`) and a user's own folder (an index beside the
+    model: its `sa.bin`) are not the artifact's: only stale weights where the artifact writes go (root, `adapter/`)."""
+    from huggingface_hub import CommitOperationDelete, HfApi, RepoUrl
+
+    artifact = tmp_path / "a"
+    (artifact / "adapter").mkdir(parents=True)
+    (artifact / "model.safetensors").write_bytes(b"x")
+    (artifact / "adapter" / "adapter_model.safetensors").write_bytes(b"x")
+    save_artifact(artifact, "converted-model", "org/base")
+    on_hub = [
+        "pytorch_model.bin",
+        "adapter/adapter_model.bin",
+        "checkpoint-500/model.safetensors",
+        "checkpoint-500/training_args.bin",
+        "ngram/sa.bin",
+        "ngram/tokens.u32",
+    ]
+    commits = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: RepoUrl(f"https://huggingface.co/{repo_id}"))
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: on_hub)
+    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, **kw: commits.append(operations))
+    push_to_hub(artifact, "me/m", token="hf_unused")
+    [operations] = commits
+    deleted = {op.path_in_repo for op in operations if isinstance(op, CommitOperationDelete)}
+    assert deleted == {"pytorch_model.bin", "adapter/adapter_model.bin"}
+
+
 def test_write_custom_generate_refuses_an_unknown_drafter(tmp_path):
     with pytest.raises(ValueError, match="unknown drafter 'nope'"):
         save_artifact(tmp_path / "a", "drafter-index", "org/base", drafter="nope")
