@@ -6,6 +6,7 @@ checkpoint under `$HF_ACCEL_HOME/models/smollm2-135m` (default `~/.cache/hf_acce
 checkpoint, so nothing touches the network.
 """
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -217,6 +218,20 @@ def _check_no_remote_code(name: str, path: str) -> None:
             f"model {name!r} ({model_type}) runs code shipped with the checkpoint: pass "
             "--trust-remote-code (`--trust_remote_code` for train heal; trust_remote_code=True in Python)"
         )
+
+
+@contextlib.contextmanager
+def padding_with_eos(tokenizer):
+    """Within the block, a tokenizer without a pad token (Llama, Mistral) pads with EOS, as `generate` does (the
+    attention mask hides the pads); it is restored afterwards. [`load_model_and_tokenizer`] sets this for good."""
+    if getattr(tokenizer, "pad_token", None) is not None or getattr(tokenizer, "eos_token", None) is None:
+        yield tokenizer
+        return
+    tokenizer.pad_token = tokenizer.eos_token
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.pad_token = None
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL, trust_remote_code: bool = False):

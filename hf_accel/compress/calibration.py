@@ -282,22 +282,18 @@ def load_calibration_ids(
 
 
 def _encode_prompts(tokenizer, prompts):
-    padding_side, pad_token = tokenizer.padding_side, tokenizer.pad_token
-    tokenizer.padding_side = "left"
-    if pad_token is None:  # (Llama, Mistral) pad with EOS, as `generate` does; the attention mask hides the pads
-        tokenizer.pad_token = tokenizer.eos_token
-    try:
-        if getattr(tokenizer, "chat_template", None):
-            texts = [
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-                )
-                for p in prompts
-            ]
-            return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        return tokenizer(list(prompts), return_tensors="pt", padding=True)
-    finally:
-        tokenizer.padding_side, tokenizer.pad_token = padding_side, pad_token
+    """Prompts padded on the left (generated tokens follow each prompt's last token), in the chat template if any."""
+    from ..loading import padding_with_eos
+
+    texts, kwargs = list(prompts), {}
+    if getattr(tokenizer, "chat_template", None):
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+        kwargs["add_special_tokens"] = False
+    with padding_with_eos(tokenizer):
+        return tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", **kwargs)
 
 
 def load_calibration_text(source: str, split: str = "train", column: str = "text") -> str:

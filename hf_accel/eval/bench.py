@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..loading import padding_with_eos
 from .prompts import BenchPrompt
 
 
@@ -171,8 +172,12 @@ def _acceptance(method: str, extra: dict, rows: list[list[int]], target_calls: i
 
 
 def _generate(model, tokenizer, texts: list[str], generate_kwargs: dict, extra: dict) -> torch.Tensor:
-    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    out = model.generate(**inputs, **generate_kwargs, **extra, pad_token_id=tokenizer.pad_token_id)
+    # padded on the left whatever the tokenizer's default: generated tokens must follow each prompt's last token
+    with padding_with_eos(tokenizer):
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        out = model.generate(
+            **inputs.to(model.device), **generate_kwargs, **extra, pad_token_id=tokenizer.pad_token_id
+        )
     return out[:, inputs["input_ids"].shape[1] :]
 
 
@@ -228,7 +233,8 @@ def bench_generate(
 
     Args:
         model (`PreTrainedModel`): the target model.
-        tokenizer (`PreTrainedTokenizerBase`): its tokenizer (left padding).
+        tokenizer (`PreTrainedTokenizerBase`): its tokenizer (prompts are padded on the left, with EOS if it has no
+            pad token).
         prompts (`list[BenchPrompt]`): from `hf_accel.eval.prompts.load_prompts`.
         methods (`list[str]`): method names; `vanilla` is added first if missing (speedups are relative to it).
         batch_size (`int`, *optional*, defaults to 1): prompts per `generate` call.
