@@ -331,6 +331,21 @@ def test_a_drafter_artifact_runs_from_generate_by_its_directory(tmp_path):
     assert not repo_generate._drafters
 
 
+def test_a_drafter_artifact_runs_on_a_remote_code_model_without_asking_on_the_terminal(tmp_path, monkeypatch):
+    """A converted (trust_remote_code) model's tokenizer is read under the trust its code was loaded with: transformers
+    must not stop `generate` to ask "Do you wish to run the custom code? [y/N]" (and fail when nobody answers)."""
+    from transformers import AutoModelForCausalLM
+
+    _, tokenizer, _, artifact = _tiny_index_artifact(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(write_tiny_remote_model(tmp_path / "remote"), trust_remote_code=True)
+    monkeypatch.setattr("builtins.input", lambda *args: pytest.fail("generate asked whether to trust remote code"))
+    inputs = tokenizer(["abcabcab", "xyzxyzxy"], return_tensors="pt", padding=True)
+    plain = model.generate(**inputs, do_sample=False, max_new_tokens=16)
+    ours = model.generate(**inputs, do_sample=False, max_new_tokens=16, custom_generate=str(artifact),
+                          trust_remote_code=True)  # fmt: skip
+    assert torch.equal(plain, ours)
+
+
 def test_a_published_drafter_artifact_runs_from_generate_by_repo_id(tmp_path):
     _, _, base, artifact = _tiny_index_artifact(tmp_path)
     cache = tmp_path / "hub"
