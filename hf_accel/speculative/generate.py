@@ -117,11 +117,17 @@ def _validate_logits_processors(logits_processor):
         raise ValueError("SynthID watermarking (`watermarking_config`) is not supported by speculative decoding")
 
 
-def _validate_model_inputs(model, model_kwargs):
+def _refuse_inputs_embeds(model_kwargs):
+    # drafters read tokens; transformers' assisted loop would also run its first pass on the prompt's embeddings
+    # alone, without the draft, and accept drafts against the wrong logits
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(
             "speculative decoding needs `input_ids` (drafters read tokens); `inputs_embeds` is not supported"
         )
+
+
+def _validate_model_inputs(model, model_kwargs):
+    _refuse_inputs_embeds(model_kwargs)
     forward = inspect.signature(type(model).forward).parameters  # the class's: an instance's may be wrapped
     if "position_ids" not in forward or getattr(model.config, "alibi", False):
         # Tree verification gives every node its own position; ALiBi models (Bloom, MPT, Falcon with alibi) derive
@@ -234,6 +240,7 @@ def assisted_generate(
         raise ValueError("assisted_generate needs `drafter=`")
     _validate_decoding_mode(generation_config)
     _validate_logits_processors(logits_processor)
+    _refuse_inputs_embeds(model_kwargs)
     streamer = streamer if streamer is not None else _find_streamer()
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)

@@ -263,6 +263,17 @@ def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
     assert torch.equal(out, reference)
 
 
+def test_transformers_assisted_loop_refuses_inputs_embeds(tiny_llama):
+    """With `inputs_embeds`, transformers' assisted loop runs its first pass on the prompt's embeddings alone, not
+    prompt + draft, and accepts drafts against the wrong logits: refused, as by the engine."""
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=12, do_sample=False)
+    embeds = tiny_llama.get_input_embeddings()(input_ids)
+    with pytest.raises(ValueError, match="needs `input_ids`"):
+        tiny_llama.generate(input_ids, inputs_embeds=embeds, max_new_tokens=12, custom_generate=assisted_generate,
+                            drafter=ReferenceDrafter(reference, corrupt_every=0))  # fmt: skip
+
+
 def test_static_and_quantized_caches_are_refused_in_one_line(tiny_llama):
     input_ids = torch.tensor([[5, 6, 7, 8]])
     reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
