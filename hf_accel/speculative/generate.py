@@ -66,8 +66,7 @@ def custom_generate(
     >>> out = model.generate(**inputs, custom_generate=custom_generate, drafter=drafter, max_new_tokens=32)
     ```
     """
-    if drafter is None:
-        raise ValueError("custom_generate needs a drafter: pass `drafter=build_drafter('ngram', None, model, tok)`")
+    _check_drafter(drafter, "custom_generate")
     _validate_generation_config(generation_config, synced_gpus, input_ids.shape[0])
     _validate_logits_processors(logits_processor)
     _validate_model_inputs(model, model_kwargs)
@@ -88,6 +87,15 @@ def custom_generate(
         return output
     sequences.speculative_stats = engine.stats
     return sequences
+
+
+def _check_drafter(drafter, loop: str):
+    """A drafter is an object with `propose` (a name such as "ngram" is built with `build_drafter` first)."""
+    if not callable(getattr(drafter, "propose", None)):
+        got = "none" if drafter is None else f"{type(drafter).__name__} {drafter!r}"[:80]
+        raise TypeError(
+            f"{loop} needs a drafter object, got {got}: pass `drafter=build_drafter('ngram', None, model, tok)`"
+        )
 
 
 def _validate_generation_config(generation_config, synced_gpus, batch_size):
@@ -236,8 +244,7 @@ def assisted_generate(
     streamer=None, drafter=None, **model_kwargs,
 ):  # fmt: skip
     """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`])."""
-    if drafter is None:
-        raise ValueError("assisted_generate needs `drafter=`")
+    _check_drafter(drafter, "assisted_generate")
     _validate_decoding_mode(generation_config)
     _validate_logits_processors(logits_processor)
     _refuse_inputs_embeds(model_kwargs)

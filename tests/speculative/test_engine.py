@@ -263,6 +263,14 @@ def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
     assert torch.equal(out, reference)
 
 
+def test_a_drafter_name_instead_of_a_drafter_is_refused_in_one_line(tiny_llama):
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    for loop in (custom_generate, assisted_generate):
+        for drafter in (None, "ngram"):
+            with pytest.raises(TypeError, match="needs a drafter object.*build_drafter"):
+                tiny_llama.generate(input_ids, max_new_tokens=4, custom_generate=loop, drafter=drafter)
+
+
 def test_transformers_assisted_loop_refuses_inputs_embeds(tiny_llama):
     """With `inputs_embeds`, transformers' assisted loop runs its first pass on the prompt's embeddings alone, not
     prompt + draft, and accepts drafts against the wrong logits: refused, as by the engine."""
