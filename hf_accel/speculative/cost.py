@@ -30,6 +30,17 @@ def interpolate_cost(num_tokens: int, points) -> float:
     return y1 + (y1 - y0) * (num_tokens - x1) / (x1 - x0)
 
 
+def check_cost_points(points) -> tuple:
+    """`(tokens, cost)` points of a cost curve: at least one, distinct positive token counts, positive costs."""
+    points = tuple((int(n), float(c)) for n, c in points)
+    counts = [n for n, _ in points]
+    if not points or len(set(counts)) != len(counts) or min(counts) < 1 or min(c for _, c in points) <= 0:
+        raise ValueError(
+            f"a pass cost curve needs (tokens, cost) points with distinct tokens >= 1 and costs > 0: {points}"
+        )
+    return points
+
+
 class PassCostModel:
     """Cost of a target pass as a function of its input tokens, learned from observed pass times.
 
@@ -40,7 +51,7 @@ class PassCostModel:
     """
 
     def __init__(self, default_points=DEFAULT_VERIFY_COST, momentum: float = 0.7, adaptive: bool = True):
-        self.default_points = tuple(default_points)
+        self.default_points = check_cost_points(default_points)
         self.momentum = momentum
         self.adaptive = adaptive
         self.observed: dict[int, float] = {}

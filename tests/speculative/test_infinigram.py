@@ -183,6 +183,9 @@ def test_width_choice_follows_the_cost_model():
     assert interpolate_cost(1, points) == 1.0 and interpolate_cost(24, points) == pytest.approx(1.725)
     assert interpolate_cost(96, points) == pytest.approx(6.2)
     assert interpolate_cost(8, [(1, 1.5)]) == 1.5  # one point: constant (it raised IndexError)
+    for bad in ((), ((1, 1.0), (1, 1.2)), ((0, 1.0),), ((1, 0.0),)):  # ZeroDivisionError, IndexError, nonsense
+        with pytest.raises(ValueError, match="pass cost curve"):
+            PassCostModel(bad)
     cost = PassCostModel(points, adaptive=False)
     assert choose_tree_width([[0.2]], cost, 16) == 0  # 1.2 tokens for 1.3x the time: not worth it
     assert choose_tree_width([[0.9, 0.8, 0.7] + [0.05] * 13], cost, 16) == 15  # nearly free up to 16 tokens
