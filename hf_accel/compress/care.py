@@ -68,8 +68,8 @@ class CareConversionConfig:
             raise ValueError(f"unknown CARE method {self.method!r}; choose one of {', '.join(METHODS)}")
         budget_from_kv_keep([1], self.kv_keep)  # validates kv_keep
         check_shrinkage(self.alpha, self.lam_frac)
-        if not 0.0 <= self.rank_floor_frac <= 1.0:
-            raise ValueError(f"rank_floor_frac must be in [0, 1], got {self.rank_floor_frac}")
+        if not 0.0 <= self.rank_floor_frac <= self.kv_keep:  # floors above the budget: water-filling has no solution
+            raise ValueError(f"rank_floor_frac must be in [0, kv_keep={self.kv_keep}], got {self.rank_floor_frac}")
 
 
 def model_family(model) -> str:

@@ -39,7 +39,7 @@ def test_unknown_method_is_an_error():
 
 
 @pytest.mark.parametrize(
-    "option", [{"alpha": 1.0}, {"lam_frac": -1.0}, {"rank_floor_frac": 2.0}, {"rank_floor_frac": -0.1}]
+    "option", [{"alpha": 1.0}, {"lam_frac": -1.0}, {"rank_floor_frac": 0.6}, {"rank_floor_frac": -0.1}]
 )
 def test_shrinkage_and_rank_floor_outside_their_range_are_errors(option):
     """A negative λ made the shrunk moment indefinite; its clamped root then gave silently wrong factors."""
