@@ -319,7 +319,9 @@ def prepare_calibration(
         raise ValueError("a tokenizer is needed to build calibration data")
     ids = load_calibration_ids(model, tokenizer, calib, num_samples, seq_len, seed=seed, progress=progress)
     calibration = collect_kv_calibration(model, ids, None, batch_size, with_output_grads, progress)
-    calibration.meta.update(source=calib, num_samples=num_samples, seq_len=seq_len)
+    # a text file by its name: the card and care_ranks.json are published, the machine's paths are not
+    source = Path(calib).name if calib not in ("generated", None) and not calib.startswith("hf:") else calib
+    calibration.meta.update(source=source, num_samples=num_samples, seq_len=seq_len)
     return calibration
 
 

@@ -198,6 +198,15 @@ def test_convert_care_cli_saves_the_source_dtype_and_a_hub_card(tmp_path, capsys
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
     card = (out / "README.md").read_text()
     assert "base_model: org/tiny" in card and "`kv_keep_achieved`" in card and "care_ranks.png" in card
+    text = tmp_path / "private" / "corpus.txt"  # a calibration file is published by its name, not its path
+    text.parent.mkdir()
+    text.write_text("some calibration text, repeated. " * 200)
+    argv = ["convert", "care", "--model", str(source), "--kv-keep", "0.5", "--method", "care-u", "--calib", str(text)]
+    argv += ["--calib-samples", "4", "--calib-seq-len", "16", "--out", str(tmp_path / "calibrated")]
+    assert main(argv + ["--base-model", "org/tiny", "--json"]) == 0
+    published = (tmp_path / "calibrated" / "README.md").read_text()
+    published += (tmp_path / "calibrated" / "care_ranks.json").read_text()
+    assert "corpus.txt" in published and str(text.parent) not in published
 
 
 def test_convert_care_cli_refuses_bad_input_before_loading(tmp_path, capsys, monkeypatch):
