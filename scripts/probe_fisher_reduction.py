@@ -23,9 +23,9 @@ def fisher_diagonal_importance(mean_squared_grad) -> float:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
+    if not argv or argv[0] in ("-h", "--help"):
         print("usage: probe_fisher_reduction.py SCRIPT.py ARGS...", file=sys.stderr)
-        return 2
+        return 0 if argv else 2
     hf_accel.compress.fisher.projection_importance = fisher_diagonal_importance  # read at call time
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")

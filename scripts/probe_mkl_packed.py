@@ -35,11 +35,11 @@ def pack_linear_weights(model, rows_hint: int = 16) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or not torch.backends.mkl.is_available():
+    if not argv or argv[0] in ("-h", "--help") or not torch.backends.mkl.is_available():
         print(
             "usage: probe_mkl_packed.py (hf-accel ARGS... | SCRIPT.py ARGS...); needs torch with MKL", file=sys.stderr
         )
-        return 2
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
     load = hf_accel.loading.load_model_and_tokenizer
 
     def load_packed(*args, **kwargs):

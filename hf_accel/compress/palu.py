@@ -418,7 +418,8 @@ def convert_palu(
         kv_keep (`float`, *optional*, defaults to 0.5): fraction of the K+V cache width kept, in (0, 1].
         group_size (`int`, *optional*): KV heads per group (must divide `num_key_value_heads`); defaults to the
             largest divisor of them that is at most 4 ([`default_group_size`]).
-        ranks (`str`, *optional*, defaults to `"fisher"`): `"uniform"` or `"fisher"`.
+        ranks (`str`, *optional*, defaults to `"fisher"`): `"uniform"`, `"fisher"` or `"kfac"` (CARE's water-filling
+            on the singular values of `√C·W_g·√G_g`; needs gradient moments, collected during calibration).
         quant_bits (`int`, *optional*, defaults to 0): 0, or 2/3/4-bit per-token quantized latents.
         hadamard (`bool`, *optional*, defaults to `True`): fold a Walsh–Hadamard rotation into the factors.
         calibration_text (`str`): text for the whitening moments (and the Fisher scores).

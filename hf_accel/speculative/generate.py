@@ -49,12 +49,12 @@ def custom_generate(
         generation_config (`GenerationConfig`): prepared by `generate`; `do_sample` selects lossless sampling.
         synced_gpus (`bool`, *optional*): unsupported (must be `False`).
         streamer (`BaseStreamer`, *optional*): batch size 1 only.
+        drafter: an object following the drafter protocol of [`~hf_accel.speculative.engine`] (required).
+        **model_kwargs: `attention_mask`, `past_key_values`, `position_ids`, ... as prepared by `generate`.
 
     Stop strings: transformers 5.23 drops `generate(tokenizer=...)` when `custom_generate` is a callable, so
     `stop_strings=` alone raises there; pass them as a criterion instead, which this loop honours exactly:
     `stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer, ["\n\n"])])`.
-        drafter: an object following the drafter protocol of [`~hf_accel.speculative.engine`] (required).
-        **model_kwargs: `attention_mask`, `past_key_values`, `position_ids`, ... as prepared by `generate`.
 
     Returns:
         `torch.LongTensor` of shape `(batch_size, prompt_length + generated)` (or a `GenerateDecoderOnlyOutput` with
