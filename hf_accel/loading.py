@@ -277,6 +277,8 @@ def load_dataset_split(name: str, split: str = "train", config: str | None = Non
     try:
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():  # written by save_to_disk
             loaded = datasets.load_from_disk(name)
+            if isinstance(loaded, datasets.DatasetDict) and split not in loaded:
+                raise ValueError(f"no split {split!r}; splits: {sorted(loaded)}")
             data = loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
         elif local.is_file():  # one data file is the requested split
             builder = _DATA_FILE_BUILDERS.get(local.suffix.lower())

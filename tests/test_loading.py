@@ -66,6 +66,21 @@ def test_without_network_an_uncached_hub_dataset_fails_at_once(no_network, monke
     assert datasets.config.HF_HUB_OFFLINE is False  # restored
 
 
+def test_a_saved_dataset_without_the_split_names_the_splits_it_has(tmp_path):
+    import datasets
+
+    from hf_accel.loading import load_dataset_split
+
+    splits = {
+        "train": datasets.Dataset.from_dict({"text": ["a"]}),
+        "test": datasets.Dataset.from_dict({"text": ["b"]}),
+    }
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "ds"))
+    assert load_dataset_split(str(tmp_path / "ds"), "test")["text"] == ["b"]
+    with pytest.raises(ValueError, match=r"split 'validation': no split 'validation'; splits: \['test', 'train'\]"):
+        load_dataset_split(str(tmp_path / "ds"), "validation")
+
+
 def test_a_directory_without_a_model_is_one_line_and_a_tokenizer_directory_serves_its_tokenizer(tmp_path):
     from hf_accel.loading import load_tokenizer
     from tests.tiny_checkpoints import make_char_tokenizer
