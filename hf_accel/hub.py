@@ -41,6 +41,7 @@ DEFAULT_IGNORE_PATTERNS = (
     ".cache/*",
     ".staging-*",
     ".staging-*/*",
+    ".*.tmp",  # a write cut short (the perplexity history is written to `.ppl_history.json.tmp`, then renamed)
 )
 # Weight files: a re-push deletes the repository's ones the artifact no longer has (a stale `model.safetensors` beside
 # new shards would be loaded first), as `save_pretrained` removes stale shards from a local folder.
