@@ -265,6 +265,17 @@ def check_calibration_source(source: str) -> None:
         raise FileNotFoundError(f"calibration text not found: {source} (give `generated`, a text file or hf:NAME)")
 
 
+def published_calibration_source(source: str | None) -> str | None:
+    """How a calibration source is named in a published card: a local text file, data file or saved dataset by its
+    file name (`hf:/home/me/corpus` -> `hf:corpus`), not the machine's path; `generated` and Hub ids as given."""
+    if source in (None, "generated"):
+        return source
+    if not source.startswith("hf:"):
+        return os.path.basename(os.path.normpath(source))
+    name, sep, config = source[3:].partition(":")
+    return "hf:" + (os.path.basename(os.path.normpath(name)) if os.path.exists(name) else name) + sep + config
+
+
 def load_calibration_ids(
     model, tokenizer, source: str, num_samples: int, seq_len: int, seed: int = 0, progress: bool = True
 ) -> torch.Tensor:

@@ -313,15 +313,14 @@ def prepare_calibration(
         with_output_grads (`bool`, *optional*, defaults to `True`): also collect loss-gradient moments (needed by the
             default method `care`).
     """
-    from .calibration import load_calibration_ids
+    from .calibration import load_calibration_ids, published_calibration_source
 
     if tokenizer is None and calib is not None:
         raise ValueError("a tokenizer is needed to build calibration data")
     ids = load_calibration_ids(model, tokenizer, calib, num_samples, seq_len, seed=seed, progress=progress)
     calibration = collect_kv_calibration(model, ids, None, batch_size, with_output_grads, progress)
-    # a text file by its name: the card and care_ranks.json are published, the machine's paths are not
-    source = Path(calib).name if calib not in ("generated", None) and not calib.startswith("hf:") else calib
-    calibration.meta.update(source=source, num_samples=num_samples, seq_len=seq_len)
+    # the card and care_ranks.json are published, the machine's paths are not
+    calibration.meta.update(source=published_calibration_source(calib), num_samples=num_samples, seq_len=seq_len)
     return calibration
 
 

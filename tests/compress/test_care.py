@@ -209,6 +209,27 @@ def test_convert_care_cli_saves_the_source_dtype_and_a_hub_card(tmp_path, capsys
     assert "corpus.txt" in published and str(text.parent) not in published
 
 
+def test_a_local_calibration_dataset_is_published_by_its_name(tmp_path):
+    """`hf:` also reads a dataset saved on this machine: the card names it like a text file, without the path."""
+    import datasets
+
+    from hf_accel.compress.calibration import published_calibration_source
+    from hf_accel.compress.care import prepare_calibration
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    saved = tmp_path / "private" / "corpus"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["calibration text. " * 50]})}).save_to_disk(
+        str(saved)
+    )
+    model, tokenizer = make_tiny("llama", vocab_size=128), make_char_tokenizer()
+    calibration = prepare_calibration(model, tokenizer, calib=f"hf:{saved}", num_samples=2, seq_len=8, progress=False)
+    assert calibration.meta["source"] == "hf:corpus"
+    assert published_calibration_source(f"hf:{saved}:cfg") == "hf:corpus:cfg"
+    assert published_calibration_source("hf:wikitext:wikitext-2-raw-v1") == "hf:wikitext:wikitext-2-raw-v1"  # Hub id
+    assert published_calibration_source(str(tmp_path / "a.txt")) == "a.txt"
+    assert published_calibration_source("generated") == "generated"
+
+
 def test_convert_care_cli_refuses_bad_input_before_loading(tmp_path, capsys, monkeypatch):
     import hf_accel.loading
     from hf_accel.cli import main
