@@ -18,8 +18,8 @@ DEFAULT_VERIFY_COST = ((1, 1.0), (2, 1.3), (16, 1.45), (32, 2.0), (64, 4.1))
 
 
 def interpolate_cost(num_tokens: int, points) -> float:
-    """Piecewise-linear interpolation of `(tokens, cost)` points, extrapolated linearly past the last one (one point:
-    a constant cost)."""
+    """Piecewise-linear interpolation of `(tokens, cost)` points, extrapolated linearly past the last one, flat if the
+    last segment falls (one point: a constant cost)."""
     points = sorted(points)
     if num_tokens <= points[0][0] or len(points) == 1:
         return points[0][1]
@@ -27,7 +27,7 @@ def interpolate_cost(num_tokens: int, points) -> float:
         if num_tokens <= x1:
             return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
     (x0, y0), (x1, y1) = points[-2], points[-1]
-    return y1 + (y1 - y0) * (num_tokens - x1) / (x1 - x0)
+    return y1 + max(y1 - y0, 0.0) * (num_tokens - x1) / (x1 - x0)  # never falling: a noisy dip would reach 0
 
 
 def check_cost_points(points) -> tuple:

@@ -183,6 +183,7 @@ def test_width_choice_follows_the_cost_model():
     assert interpolate_cost(1, points) == 1.0 and interpolate_cost(24, points) == pytest.approx(1.725)
     assert interpolate_cost(96, points) == pytest.approx(6.2)
     assert interpolate_cost(8, [(1, 1.5)]) == 1.5  # one point: constant (it raised IndexError)
+    assert interpolate_cost(300, [(1, 1.0), (8, 1.02), (16, 1.01)]) == 1.01  # a noisy dip is not extrapolated to 0
     for bad in ((), ((1, 1.0), (1, 1.2)), ((0, 1.0),), ((1, 0.0),)):  # ZeroDivisionError, IndexError, nonsense
         with pytest.raises(ValueError, match="pass cost curve"):
             PassCostModel(bad)
