@@ -385,9 +385,22 @@ def test_push_points_custom_generate_at_the_repository(tmp_path, monkeypatch):
     assert "ARTIFACT = 'me/idx'" in (generate if isinstance(generate, bytes) else generate.read()).decode()
 
 
+def _push_over(artifact, on_hub: list[str], monkeypatch) -> list:
+    """The operations of `push_to_hub(artifact)` to a repository that holds the files `on_hub`."""
+    from huggingface_hub import HfApi, RepoUrl
+
+    commits = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: RepoUrl(f"https://huggingface.co/{repo_id}"))
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: on_hub)
+    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, **kw: commits.append(operations))
+    push_to_hub(artifact, "me/m", token="hf_unused")
+    [operations] = commits
+    return operations
+
+
 def test_a_re_push_deletes_weight_files_the_artifact_no_longer_has(tmp_path, monkeypatch):
     """A checkpoint re-saved in shards: the repository's old `model.safetensors` would be loaded before the shards."""
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, RepoUrl
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     artifact = tmp_path / "a"
     artifact.mkdir()
@@ -396,12 +409,7 @@ def test_a_re_push_deletes_weight_files_the_artifact_no_longer_has(tmp_path, mon
     (artifact / "model.safetensors.index.json").write_text("{}")
     save_artifact(artifact, "converted-model", "org/base")
     on_hub = ["model.safetensors", "pytorch_model.bin", "model-00001-of-00002.safetensors", "notes.txt", "README.md"]
-    commits = []
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: RepoUrl(f"https://huggingface.co/{repo_id}"))
-    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: on_hub)
-    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, **kw: commits.append(operations))
-    push_to_hub(artifact, "me/m", token="hf_unused")
-    [operations] = commits
+    operations = _push_over(artifact, on_hub, monkeypatch)
     deleted = {op.path_in_repo for op in operations if isinstance(op, CommitOperationDelete)}
     added = {op.path_in_repo for op in operations if isinstance(op, CommitOperationAdd)}
     assert deleted == {"model.safetensors", "pytorch_model.bin"}  # a user's other files stay
@@ -411,7 +419,7 @@ def test_a_re_push_deletes_weight_files_the_artifact_no_longer_has(tmp_path, mon
 def test_a_re_push_keeps_weight_files_in_folders_the_artifact_does_not_write(tmp_path, monkeypatch):
     """Checkpoints a Trainer pushed (`hub_strategy="all_checkpoints"`) and a user's own folder (an index beside the
     model: its `sa.bin`) are not the artifact's: only stale weights where the artifact writes go (root, `adapter/`)."""
-    from huggingface_hub import CommitOperationDelete, HfApi, RepoUrl
+    from huggingface_hub import CommitOperationDelete
 
     artifact = tmp_path / "a"
     (artifact / "adapter").mkdir(parents=True)
@@ -426,12 +434,7 @@ def test_a_re_push_keeps_weight_files_in_folders_the_artifact_does_not_write(tmp
         "ngram/sa.bin",
         "ngram/tokens.u32",
     ]
-    commits = []
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: RepoUrl(f"https://huggingface.co/{repo_id}"))
-    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: on_hub)
-    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, **kw: commits.append(operations))
-    push_to_hub(artifact, "me/m", token="hf_unused")
-    [operations] = commits
+    operations = _push_over(artifact, on_hub, monkeypatch)
     deleted = {op.path_in_repo for op in operations if isinstance(op, CommitOperationDelete)}
     assert deleted == {"pytorch_model.bin", "adapter/adapter_model.bin"}
 
