@@ -6,7 +6,6 @@ checkpoint under `$HF_ACCEL_HOME/models/smollm2-135m` (default `~/.cache/hf_acce
 checkpoint, so nothing touches the network.
 """
 
-import contextlib
 import importlib.util
 import os
 import shutil
@@ -220,18 +219,20 @@ def _check_no_remote_code(name: str, path: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def padding_with_eos(tokenizer):
-    """Within the block, a tokenizer without a pad token (Llama, Mistral) pads with EOS, as `generate` does (the
-    attention mask hides the pads); it is restored afterwards. [`load_model_and_tokenizer`] sets this for good."""
-    if getattr(tokenizer, "pad_token", None) is not None or getattr(tokenizer, "eos_token", None) is None:
-        yield tokenizer
-        return
-    tokenizer.pad_token = tokenizer.eos_token
+def left_padded_batch(tokenizer, texts: list[str], **kwargs):
+    """`(inputs, pad_token_id)`: `texts` as one batch padded on the left whatever the tokenizer's default (generated
+    tokens must follow each prompt's last token), and the pad id to give `generate`. A tokenizer without a pad token
+    (Llama, Mistral) pads with EOS, as `generate` does (the attention mask hides the pads), and is left as it was;
+    [`load_model_and_tokenizer`] sets this for good. `kwargs` go to the tokenizer call."""
+    borrow = getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None
+    if borrow:
+        tokenizer.pad_token = tokenizer.eos_token
     try:
-        yield tokenizer
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", **kwargs)
+        return inputs, tokenizer.pad_token_id
     finally:
-        tokenizer.pad_token = None
+        if borrow:
+            tokenizer.pad_token = None
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL, trust_remote_code: bool = False):

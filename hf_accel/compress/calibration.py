@@ -240,10 +240,10 @@ def generate_calibration_ids(
     """
     torch.manual_seed(seed)
     rows = []
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for start in tqdm(range(0, num_samples, batch_size), desc="generating calibration text", disable=not progress):
         batch = [prompts[(start + i) % len(prompts)] for i in range(min(batch_size, num_samples - start))]
-        enc = _encode_prompts(tokenizer, batch).to(next(model.parameters()).device)
+        enc, pad_id = _encode_prompts(tokenizer, batch)
+        enc = enc.to(next(model.parameters()).device)
         with torch.no_grad():
             out = model.generate(
                 **enc,
@@ -293,8 +293,8 @@ def load_calibration_ids(
 
 
 def _encode_prompts(tokenizer, prompts):
-    """Prompts padded on the left (generated tokens follow each prompt's last token), in the chat template if any."""
-    from ..loading import padding_with_eos
+    """`(inputs, pad_token_id)` of the prompts padded on the left, in the chat template if any."""
+    from ..loading import left_padded_batch
 
     texts, kwargs = list(prompts), {}
     if getattr(tokenizer, "chat_template", None):
@@ -303,8 +303,7 @@ def _encode_prompts(tokenizer, prompts):
             for p in prompts
         ]
         kwargs["add_special_tokens"] = False
-    with padding_with_eos(tokenizer):
-        return tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", **kwargs)
+    return left_padded_batch(tokenizer, texts, **kwargs)
 
 
 def load_calibration_text(source: str, split: str = "train", column: str = "text") -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..loading import padding_with_eos
+from ..loading import left_padded_batch
 from .prompts import BenchPrompt
 
 
@@ -172,12 +172,8 @@ def _acceptance(method: str, extra: dict, rows: list[list[int]], target_calls: i
 
 
 def _generate(model, tokenizer, texts: list[str], generate_kwargs: dict, extra: dict) -> torch.Tensor:
-    # padded on the left whatever the tokenizer's default: generated tokens must follow each prompt's last token
-    with padding_with_eos(tokenizer):
-        inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-        out = model.generate(
-            **inputs.to(model.device), **generate_kwargs, **extra, pad_token_id=tokenizer.pad_token_id
-        )
+    inputs, pad_token_id = left_padded_batch(tokenizer, texts, add_special_tokens=False)
+    out = model.generate(**inputs.to(model.device), **generate_kwargs, **extra, pad_token_id=pad_token_id)
     return out[:, inputs["input_ids"].shape[1] :]
 
 

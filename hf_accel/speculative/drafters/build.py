@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ...loading import padding_with_eos
+from ...loading import left_padded_batch
 from .index import IndexHeader, build_index, tokenizer_fingerprint
 
 
@@ -188,18 +188,11 @@ def self_distill(
     with tqdm(total=len(todo), desc="self-distill", unit="prompt") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            # left padding whatever the tokenizer's default: generated tokens must follow each prompt's last token
-            with padding_with_eos(tokenizer), torch.no_grad():
-                inputs = tokenizer(
-                    [p.text for _, p in batch],
-                    return_tensors="pt",
-                    padding=True,
-                    padding_side="left",
-                    add_special_tokens=False,
-                )
+            inputs, pad_token_id = left_padded_batch(tokenizer, [p.text for _, p in batch], add_special_tokens=False)
+            with torch.no_grad():
                 generated = model.generate(
                     **inputs, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None,
-                    top_p=None, pad_token_id=tokenizer.pad_token_id, **extra,
+                    top_p=None, pad_token_id=pad_token_id, **extra,
                 )[:, inputs["input_ids"].shape[1] :]  # fmt: skip
             lines = []
             for (key, prompt), row in zip(batch, generated.tolist()):
