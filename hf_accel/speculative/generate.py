@@ -66,10 +66,8 @@ def custom_generate(
     >>> out = model.generate(**inputs, custom_generate=custom_generate, drafter=drafter, max_new_tokens=32)
     ```
     """
-    _check_drafter(drafter, "custom_generate")
-    _validate_generation_config(generation_config, synced_gpus, input_ids.shape[0])
-    _validate_logits_processors(logits_processor)
-    _validate_model_inputs(model, model_kwargs)
+    _validate_call("custom_generate", drafter, generation_config, logits_processor, model_kwargs)
+    _validate_engine_call(model, generation_config, synced_gpus)
     streamer = streamer if streamer is not None else _find_streamer()
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(f"streaming supports batch size 1, got {input_ids.shape[0]}; drop `streamer=` or the batch")
@@ -89,26 +87,14 @@ def custom_generate(
     return sequences
 
 
-def _check_drafter(drafter, loop: str):
-    """A drafter is an object with `propose` (a name such as "ngram" is built with `build_drafter` first)."""
-    if not callable(getattr(drafter, "propose", None)):
+def _validate_call(loop: str, drafter, generation_config, logits_processor, model_kwargs):
+    """What both loops refuse, in one line each."""
+    if not callable(getattr(drafter, "propose", None)):  # a name such as "ngram" is built with `build_drafter` first
         got = "none" if drafter is None else f"{type(drafter).__name__} {drafter!r}"[:80]
         raise TypeError(
             f"{loop} needs a drafter object, got {got}: pass `drafter=build_drafter('ngram', None, model, tok)`"
         )
-
-
-def _validate_generation_config(generation_config, synced_gpus, batch_size):
-    if synced_gpus:
-        raise ValueError("speculative decoding does not support `synced_gpus=True`")
-    _validate_decoding_mode(generation_config)
-    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
-        if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
-            raise ValueError(f"`{flag}=True` is not supported by hf-accel's speculative decoding; drop it")
-
-
-def _validate_decoding_mode(generation_config):
-    """Refuses the modes both loops would silently run as greedy search or sampling (beams, contrastive, DoLa, CFG)."""
+    # modes both loops would silently run as greedy search or sampling (beams, contrastive, DoLa, CFG)
     if generation_config.num_beams not in (None, 1):
         raise ValueError(f"speculative decoding needs num_beams=1, got {generation_config.num_beams}")
     mode = generation_config.get_generation_mode()
@@ -116,16 +102,10 @@ def _validate_decoding_mode(generation_config):
         raise ValueError(f"speculative decoding does greedy search or sampling, not {mode.value}; drop its arguments")
     if generation_config.guidance_scale not in (None, 1):
         raise ValueError("`guidance_scale` (classifier-free guidance) is not supported by speculative decoding")
-
-
-def _validate_logits_processors(logits_processor):
-    """Refuses processors that keep a state assuming one committed token per call: both loops call them once per
-    draft node, so rejected drafts would enter their state (SynthID watermarking)."""
+    # processors that keep a state assuming one committed token per call: both loops call them once per draft node,
+    # so rejected drafts would enter their state
     if any(isinstance(p, SynthIDTextWatermarkLogitsProcessor) for p in logits_processor or ()):
         raise ValueError("SynthID watermarking (`watermarking_config`) is not supported by speculative decoding")
-
-
-def _refuse_inputs_embeds(model_kwargs):
     # drafters read tokens; transformers' assisted loop would also run its first pass on the prompt's embeddings
     # alone, without the draft, and accept drafts against the wrong logits
     if model_kwargs.get("inputs_embeds") is not None:
@@ -134,8 +114,13 @@ def _refuse_inputs_embeds(model_kwargs):
         )
 
 
-def _validate_model_inputs(model, model_kwargs):
-    _refuse_inputs_embeds(model_kwargs)
+def _validate_engine_call(model, generation_config, synced_gpus):
+    """What hf-accel's own loop refuses besides [`_validate_call`]."""
+    if synced_gpus:
+        raise ValueError("speculative decoding does not support `synced_gpus=True`")
+    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
+            raise ValueError(f"`{flag}=True` is not supported by hf-accel's speculative decoding; drop it")
     forward = inspect.signature(type(model).forward).parameters  # the class's: an instance's may be wrapped
     if "position_ids" not in forward or getattr(model.config, "alibi", False):
         # Tree verification gives every node its own position; ALiBi models (Bloom, MPT, Falcon with alibi) derive
@@ -244,10 +229,7 @@ def assisted_generate(
     streamer=None, drafter=None, **model_kwargs,
 ):  # fmt: skip
     """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`])."""
-    _check_drafter(drafter, "assisted_generate")
-    _validate_decoding_mode(generation_config)
-    _validate_logits_processors(logits_processor)
-    _refuse_inputs_embeds(model_kwargs)
+    _validate_call("assisted_generate", drafter, generation_config, logits_processor, model_kwargs)
     streamer = streamer if streamer is not None else _find_streamer()
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)
