@@ -521,7 +521,7 @@ def window_bytes_per_sequence(palu_model) -> int:
     cfg = palu_model.config
     groups = cfg.num_key_value_heads // cfg.palu_group_size
     latents = groups * (sum(cfg.palu_k_ranks) + sum(cfg.palu_v_ranks))
-    positions = cfg.num_hidden_layers * torch.tensor([], dtype=torch.long).element_size()
+    positions = cfg.num_hidden_layers * torch.long.itemsize
     return cfg.palu_residual_length * (latents * palu_model.dtype.itemsize + positions)
 
 
