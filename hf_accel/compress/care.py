@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from .calibration import KvCalibration, collect_kv_calibration
 from .export import (
     atomic_output_dir,
+    check_no_adapters,
     check_rope_type,
     copy_remote_code,
     load_converted_state,
@@ -78,6 +79,7 @@ def model_family(model) -> str:
     if model_type not in FAMILIES:
         raise ValueError(f"CARE does not know model family {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
     check_rope_type(model.config, "CARE")
+    check_no_adapters(model, "CARE")
     return model_type
 
 

@@ -45,6 +45,18 @@ def check_rope_type(config, converter: str) -> None:
         raise ValueError(f"{converter} does not support rope_type {rope_type!r} (frequencies that change at run time)")
 
 
+def check_no_adapters(model, converter: str) -> None:
+    """Refuses, in one line, a model with PEFT adapters loaded (a `PeftModel`, or adapters added to a transformers
+    model, as `from_pretrained` of an adapter directory does): the converters factorize the base `k_proj`/`v_proj`
+    weights and copy every other weight by name, so the adapters' deltas would be lost, and their modules' weights do
+    not fit the converted model."""
+    if getattr(model, "peft_config", None):
+        raise ValueError(
+            f"{converter} converts plain weights, and this model has PEFT adapters loaded: merge them first "
+            "(merge_and_unload() of a PeftModel, then save) and convert the merged model"
+        )
+
+
 def check_source_model(name: str, path: str) -> None:
     """Refuses, in one line, a directory that holds no model, and a checkpoint that is already converted (it ships its
     own modeling code)."""

@@ -32,6 +32,7 @@ from .calibration import (
 from .export import (
     atomic_output_dir,
     card_base_model,
+    check_no_adapters,
     check_output_dir,
     check_rope_type,
     check_source_model,
@@ -265,6 +266,7 @@ def check_palu_model(model, conversion: PaluConversionConfig) -> int:
     if getattr(cfg, "attention_bias", False):
         raise ValueError("Palu does not support attention biases (attention_bias=True)")
     check_rope_type(cfg, "Palu")
+    check_no_adapters(model, "Palu")
     n_kv = cfg.num_key_value_heads
     group_size = conversion.group_size or default_group_size(n_kv)
     if n_kv % group_size:

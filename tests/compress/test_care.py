@@ -27,6 +27,23 @@ def test_unknown_family_is_an_error():
         convert_care(gpt2, kv_keep=0.5, method="svd")
 
 
+@pytest.mark.parametrize("wrap", ["peft_model", "transformers_adapter"])
+def test_a_model_with_peft_adapters_is_refused_before_calibration(wrap, monkeypatch):
+    # the adapters' deltas are not in the base weights that are factorized and copied: merge first
+    from peft import LoraConfig, get_peft_model
+
+    import hf_accel.compress.care as care_module
+
+    model, lora = make_tiny("llama"), LoraConfig(target_modules=["q_proj", "v_proj"], r=2, init_lora_weights=False)
+    if wrap == "peft_model":
+        model = get_peft_model(model, lora)
+    else:  # what from_pretrained of an adapter directory gives
+        model.add_adapter(lora)
+    monkeypatch.setattr(care_module, "prepare_calibration", lambda *a, **k: pytest.fail("calibrated"))
+    with pytest.raises(ValueError, match="CARE converts plain weights, and this model has PEFT adapters loaded"):
+        convert_care(model, kv_keep=0.5)
+
+
 @pytest.mark.parametrize("kv_keep", [0.0, 1.01, -1])
 def test_budget_outside_unit_interval_is_an_error(kv_keep):
     with pytest.raises(ValueError, match="kv_keep"):

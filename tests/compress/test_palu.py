@@ -178,6 +178,19 @@ def test_bad_inputs_raise_clear_errors(model, tokenizer):
         convert_palu(model, tokenizer, kernel_backend="trtion")
 
 
+def test_a_model_with_peft_adapters_is_refused_before_calibration(tokenizer, monkeypatch):
+    # the adapters' deltas are not in the base weights that are factorized and copied: merge first
+    from peft import LoraConfig
+
+    import hf_accel.compress.palu as palu_module
+
+    adapted = make_tiny_llama(**TINY)
+    adapted.add_adapter(LoraConfig(target_modules=["k_proj"], r=2, init_lora_weights=False))
+    monkeypatch.setattr(palu_module, "collect_kv_calibration", lambda *a, **k: pytest.fail("calibrated"))
+    with pytest.raises(ValueError, match="Palu converts plain weights, and this model has PEFT adapters loaded"):
+        convert_palu(adapted, tokenizer, kv_keep=0.5, calibration_text=CALIB_TEXT, **FAST)
+
+
 def test_default_group_size_divides_the_kv_heads(model, tokenizer):
     assert [default_group_size(n) for n in (1, 2, 3, 4, 5, 6, 8, 32)] == [1, 2, 3, 4, 1, 3, 4, 4]
     palu, info = convert_palu(model, tokenizer, kv_keep=0.5, ranks="uniform", calibration_text=CALIB_TEXT, **FAST)
