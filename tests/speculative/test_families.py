@@ -1,0 +1,175 @@
+"""The engine on every decoder family a transformers user would try: tiny random float32 models (hidden 64, 2
+layers, vocabulary 300) whose greedy speculative output must equal plain greedy `generate`, or be refused in one line
+before anything is generated (sliding-window / local attention, ALiBi)."""
+
+import random
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from hf_accel.speculative import DraftTree, assisted_generate, custom_generate
+from hf_accel.speculative.drafters import build_drafter
+from tests.speculative.test_engine import ReferenceDrafter
+
+
+VOCAB = 300
+_COMMON = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+_LLAMA_LIKE = {
+    **_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256, "tie_word_embeddings": False,
+}  # fmt: skip
+_FULL = {"layer_types": ["full_attention"] * 2}  # families whose default layout alternates sliding layers
+
+# family -> (config class, model class, config keys)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _LLAMA_LIKE),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**_LLAMA_LIKE, "sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _LLAMA_LIKE),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _LLAMA_LIKE),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", _LLAMA_LIKE),
+    "gemma2": (  # attention and final logit softcapping
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {**_LLAMA_LIKE, **_FULL, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+    ),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_LLAMA_LIKE, **_FULL}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", _LLAMA_LIKE),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _LLAMA_LIKE),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", _LLAMA_LIKE),
+    "cohere": ("CohereConfig", "CohereForCausalLM", _LLAMA_LIKE),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {**_LLAMA_LIKE, "sliding_window": None}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            **_LLAMA_LIKE,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {**_COMMON, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64}),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {**_COMMON, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128},
+    ),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "ffn_dim": 128,
+            "word_embed_proj_dim": 64,
+            "max_position_embeddings": 64,
+        },
+    ),
+    "falcon": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        {**_COMMON, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "alibi": False},
+    ),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {**_COMMON, "n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8}),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**_COMMON, "n_embd": 64, "n_layer": 2, "n_head": 4}),
+}
+
+# Attention over a window of recent tokens: the tree pass's mask carries no window, so these are refused.
+WINDOWED = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**_LLAMA_LIKE, "sliding_window": 8}),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {**_LLAMA_LIKE, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**_LLAMA_LIKE, "sliding_window": 8}),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_LLAMA_LIKE, "sliding_window": 8}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {**_LLAMA_LIKE, "sliding_window": 8}),
+    "gpt_neo": (  # GPT-Neo's local layers mask a window of cache slot indices inside the attention module
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "window_size": 8,
+            "attention_types": [[["global", "local"], 1]],
+        },
+    ),
+}
+
+
+def _build(spec, seed: int = 0):
+    config_class, model_class, keys = spec
+    torch.manual_seed(seed)
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**keys)).eval()
+
+
+def _prompts(rows: int, width: int = 14):
+    """Left-padded prompts of different lengths, each repeating its start (the n-gram drafter finds matches)."""
+    generator = torch.Generator().manual_seed(rows)
+    input_ids = torch.randint(3, VOCAB, (rows, width), generator=generator)
+    input_ids[:, width // 2 :] = input_ids[:, : width - width // 2]
+    attention_mask = torch.ones_like(input_ids)
+    for b in range(rows):
+        input_ids[b, : 4 * b], attention_mask[b, : 4 * b] = 0, 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class _RandomTrees:
+    """Seeded random trees of up to 10 nodes per row, each node the reference's token at its depth or a random one."""
+
+    def __init__(self, reference, seed: int = 0):
+        self.reference, self.rng = reference, random.Random(seed)
+
+    def propose(self, request):
+        trees = []
+        for row, length in zip(request.rows.tolist(), request.lengths.tolist()):
+            parents, depths, tokens = [], [], []
+            for i in range(self.rng.randrange(11)):
+                parents.append(self.rng.randrange(-1, i))
+                depths.append(1 if parents[-1] < 0 else depths[parents[-1]] + 1)
+                column = length + depths[-1] - 1
+                good = int(self.reference[row, column]) if column < self.reference.shape[1] else 5
+                tokens.append(good if self.rng.random() < 0.7 else self.rng.randrange(3, VOCAB))
+            trees.append((tokens, parents))
+        return DraftTree.from_parent_lists(trees)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_speculation_equals_generate_on_every_family(family):
+    model = _build(FAMILIES[family])
+    for rows in (1, 3):
+        kwargs = {**_prompts(rows), "max_new_tokens": 16, "do_sample": False}
+        reference = model.generate(**kwargs)
+        drafters = {
+            "chain": ReferenceDrafter(reference, depth=5),
+            "tree": ReferenceDrafter(reference, depth=4, tree=True),
+            "random trees": _RandomTrees(reference),
+            "ngram": build_drafter("ngram", None, model, None),
+        }
+        for name, drafter in drafters.items():
+            out = model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+            assert torch.equal(out, reference), f"{family}, {rows} rows, {name} drafts"
+        if rows == 1:
+            out = model.generate(**kwargs, custom_generate=assisted_generate, drafter=ReferenceDrafter(reference))
+            assert torch.equal(out, reference), f"{family}, transformers' assisted loop"
+
+
+@pytest.mark.parametrize("explicit_cache", [False, True])
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_windowed_attention_is_refused_in_one_line_whatever_the_cache(family, explicit_cache):
+    """A window shorter than prompt + generation: a config-less `DynamicCache()` keeps full layers, and the engine's
+    masks have no window, so it used to decode past the window silently differently from `generate`."""
+    model = _build(WINDOWED[family])
+    kwargs = {**_prompts(3), "max_new_tokens": 16, "do_sample": False}
+    reference = model.generate(**kwargs)
+    cache = {"past_key_values": DynamicCache()} if explicit_cache else {}
+    with pytest.raises(ValueError, match="sliding-window \\(local\\) attention in layers"):
+        model.generate(**kwargs, **cache, custom_generate=custom_generate, drafter=ReferenceDrafter(reference))
