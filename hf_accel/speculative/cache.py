@@ -10,7 +10,9 @@ Contract with cache classes (documented again in [`~hf_accel.speculative.engine`
   it to gather its packed storage (and its scales) itself.
 - If a layer has `batch_select_indices(indices)` (transformers' `DynamicLayer` has), the engine calls it to drop
   finished rows; otherwise the tensors are indexed on axis 0.
-- Layers that keep only a window (`is_sliding`) are refused: gathering would have to know the window's origin.
+- Layers that keep only a window (`is_sliding`) are refused: gathering would have to know the window's origin. The
+  engine serves sliding-window models from full layers and windows its masks instead (an empty sliding cache is
+  replaced by a plain `DynamicCache()`).
   So are preallocated layers (`max_cache_len`, a static cache): their length is fixed, so they cannot be cropped.
   So are recurrent layers (`conv_states` / `recurrent_states`: linear attention, SSM and convolution layers of
   hybrid models): a tree pass folds every node into one state, which cannot be rolled back to the accepted path.
@@ -48,8 +50,8 @@ def validate_cache_for_speculation(cache) -> None:
             )
         if getattr(layer, "is_sliding", False) and not hasattr(layer, "select_positions"):
             raise ValueError(
-                f"cache layer {i} is a sliding-window layer; speculative decoding cannot gather it. Use a model "
-                "without sliding-window attention, or a layer class implementing `select_positions`."
+                f"cache layer {i} is a sliding-window layer; speculative decoding cannot gather it. Pass no "
+                "`past_key_values` (the engine masks windows itself), or a layer class implementing `select_positions`."
             )
 
 

@@ -39,6 +39,13 @@ rows are removed from the batch (cache rows dropped) instead of being carried al
 are holes; if it sets `_accepts_key_positions = True`, each pass also gets `key_positions` `[B, cache + new]`, the
 position of every slot (holes: any value, they are masked).
 
+## Sliding windows
+
+Layers that attend to a window of recent tokens are served from full cache layers (a plain `DynamicCache()`: an
+empty cache `generate` built with sliding layers is replaced), and every pass gets a 4D mask windowed by position
+(holes make slot indices and positions differ): one mask, or `{"full_attention": ..., "sliding_attention": ...}`
+for models whose config names each layer's type ([`attention_window`]).
+
 ## Ambiguities resolved here (issue 6)
 
 - Finished rows are right-padded with `pad_token_id` (falling back to the first EOS id, then 0), like `generate`
@@ -253,6 +260,46 @@ def _process_tree_scores(logits_processor, state, tree_ids, ancestors, logits):
     return scores
 
 
+def attention_window(config) -> tuple[int | None, bool]:
+    """The sliding window the engine's masks must apply for a model of `config`, and whether the model takes one mask
+    per layer type.
+
+    The engine keeps every layer's whole history (gathering accepted nodes in a sliding cache layer would have to
+    know the window's origin) and hides in the mask what a window drops. Returns `(None, False)` for full attention;
+    `(W, False)` when every layer slides over `W` tokens and the model takes one mask (Mistral, Phi-3, Starcoder2);
+    `(W, True)` when the config names each layer's type, the model then taking `{"full_attention": mask,
+    "sliding_attention": mask}` (Gemma 2/3, Qwen2/3, Cohere2). The layout is the one `DynamicCache(config=...)`
+    gives. Raises `ValueError` for windows it cannot mask: chunked attention (Llama 4), GPT-Neo's local layers (a
+    window over slot indices inside the attention module), windows that differ between layers.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = config.get_text_config(decoder=True)
+    name = getattr(config, "model_type", type(config).__name__)
+    if "local" in (getattr(config, "attention_layers", None) or ()):
+        raise ValueError(f"{name}'s local attention layers window slot indices, which tree verification cannot mask")
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    windowed_layers = [
+        (kind, kw["sliding_window"]) for kind, kw in zip(layer_types, layer_kwargs) if "sliding_window" in kw
+    ]
+    windowed = set(windowed_layers)
+    if not windowed:
+        return None, False
+    if {kind for kind, _ in windowed} != {"sliding_attention"} or len(windowed) > 1:
+        raise ValueError(
+            f"{name}'s windowed attention ({', '.join(sorted(f'{k} {w}' for k, w in windowed))}) is not supported by "
+            "speculative decoding, which masks one sliding window"
+        )
+    per_layer_type = getattr(config, "layer_types", None) is not None
+    if not per_layer_type and len(windowed_layers) != len(layer_types):
+        raise ValueError(f"{name} mixes sliding and full attention layers without naming them in `layer_types`")
+    return next(iter(windowed))[1], per_layer_type
+
+
+def _has_sliding_layers(cache) -> bool:
+    return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
+
+
 _ROW_WISE_CRITERIA = (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria)
 
 
@@ -286,6 +333,7 @@ class SpeculativeEngine:
         # Sampling draws its randomness per output position from this seed (taken from torch's seeded generator)
         self.noise_seed = int(torch.randint(2**31, ())) if self.do_sample else 0
         self.hidden_layers = tuple(getattr(drafter, "requires_hidden_states", ()) or ())
+        self.window, self.mask_per_layer_type = attention_window(model.config)
         self.stats = SpeculativeStats()
 
     # ----------------------------------------------------------------------------------------------- decoding loop
@@ -320,10 +368,13 @@ class SpeculativeEngine:
         )  # fmt: skip
 
     def _prefill(self, state, input_ids, attention_mask, cache, position_ids):
-        if cache is None:
-            from transformers import DynamicCache
+        from transformers import DynamicCache
 
-            cache = DynamicCache(config=self.model.config)
+        if cache is not None and cache.get_seq_length() == 0 and _has_sliding_layers(cache):
+            cache = None  # an empty cache `generate` made with sliding layers: the engine cannot gather those
+        if cache is None:
+            # Sliding-window models keep every layer's whole history here; their masks hide what a window drops.
+            cache = DynamicCache() if self.window is not None else DynamicCache(config=self.model.config)
         validate_cache_for_speculation(cache)
         if cache.get_seq_length() > 0:
             raise ValueError(
@@ -384,16 +435,25 @@ class SpeculativeEngine:
         node_valid &= depths[:, :num_nodes] <= max_depth[:, None]
         self.stats.draft_nodes += int(node_valid[:, 1:].sum())
 
-        if parent.shape[1] == 1:
+        # Deeper nodes are never accepted and no kept node sees them: their positions are capped at the deepest
+        # committable one, the last position plain decoding reaches, so that models with a position table (GPT-2,
+        # OPT) are never asked for a position past it.
+        positions = tree_position_ids(depths.clamp(max=max_depth[:, None]), state.next_position)
+        past_positions = (state.past_mask.long().cumsum(-1) - 1).clamp(min=0)  # a hole's is masked, never read
+        if parent.shape[1] == 1 and self.window is None:
             # No draft: exactly `generate`'s decoding step (2D mask, or none without padding/holes): same kernels,
             # same cost, same logits as plain decoding.
             mask = None if bool(state.past_mask.all()) else torch.cat([state.past_mask, node_valid], 1).long()
         else:
             mask = build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype)
-        # Deeper nodes are never accepted and no kept node sees them: their positions are capped at the deepest
-        # committable one, the last position plain decoding reaches, so that models with a position table (GPT-2,
-        # OPT) are never asked for a position past it.
-        positions = tree_position_ids(depths.clamp(max=max_depth[:, None]), state.next_position)
+        if self.window is not None:
+            # transformers would window slot indices, which holes make differ from positions: the engine windows
+            # positions itself, in one mask for all layers or one per layer type
+            key_positions = torch.cat([past_positions, positions], dim=1)
+            windowed = build_tree_attention_mask(
+                ancestors, state.past_mask, self.model.dtype, key_positions, self.window
+            )
+            mask = {"full_attention": mask, "sliding_attention": windowed} if self.mask_per_layer_type else windowed
         if tree.num_aux:
             embeds = self.model.get_input_embeddings()(tree_ids)
             inputs = {"inputs_embeds": torch.cat([embeds, tree.aux_embeds.to(embeds)], dim=1)}
@@ -402,7 +462,6 @@ class SpeculativeEngine:
         if getattr(self.model, "_accepts_key_positions", False):
             # Models that RoPE cached keys at attention time (CARE, Palu latents) get every slot's position: holes
             # make slot indices and positions differ. A hole's entry is masked out, its position does not matter.
-            past_positions = (state.past_mask.long().cumsum(-1) - 1).clamp(min=0)
             inputs["key_positions"] = torch.cat([past_positions, positions], dim=1)
         prefix_length = state.past_mask.shape[1]
         tic = time.perf_counter()

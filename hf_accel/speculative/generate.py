@@ -129,24 +129,6 @@ def _validate_engine_call(model, generation_config, synced_gpus):
             f"{type(model).__name__} takes no per-token `position_ids` (ALiBi or no positions), which tree "
             "verification needs; hf-accel's speculative decoding supports models with `position_ids`"
         )
-    windowed = _windowed_attention_layers(model.config)
-    if windowed:
-        # The tree pass's 4D mask (and a 2D mask over a cache with holes) carries no window: these layers would see
-        # tokens plain decoding has already dropped, whatever cache class the caller passes.
-        raise ValueError(
-            f"{type(model).__name__} has sliding-window (local) attention in layers {windowed}, which tree "
-            "verification cannot mask; hf-accel's speculative decoding supports full-attention models"
-        )
-
-
-def _windowed_attention_layers(config) -> list[int]:
-    """Layers whose attention sees only a window of recent tokens: sliding or chunked layers (as transformers'
-    default cache lays them out for `config`) and GPT-Neo's `local` layers (a window over cache slot indices)."""
-    from transformers import DynamicCache
-
-    sliding = [i for i, layer in enumerate(DynamicCache(config=config).layers) if getattr(layer, "is_sliding", False)]
-    local = [i for i, kind in enumerate(getattr(config, "attention_layers", None) or ()) if kind == "local"]
-    return sorted(set(sliding + local))
 
 
 def _find_streamer():

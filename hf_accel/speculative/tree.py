@@ -131,7 +131,11 @@ def compute_depths(ancestors: torch.BoolTensor) -> torch.LongTensor:
 
 
 def build_tree_attention_mask(
-    ancestors: torch.BoolTensor, past_mask: torch.BoolTensor, dtype: torch.dtype = torch.float32
+    ancestors: torch.BoolTensor,
+    past_mask: torch.BoolTensor,
+    dtype: torch.dtype = torch.float32,
+    positions: torch.LongTensor | None = None,
+    window: int | None = None,
 ) -> torch.FloatTensor:
     """The 4D additive mask that lets each tree node see the valid cache entries, its ancestors and itself.
 
@@ -140,6 +144,10 @@ def build_tree_attention_mask(
         past_mask (`torch.BoolTensor` of shape `(batch_size, past_length)`): which cache slots hold a real token
             of that row (left padding and the holes left by shorter acceptances are `False`).
         dtype (`torch.dtype`): dtype of the additive mask (the model's compute dtype).
+        positions (`torch.LongTensor` of shape `(batch_size, past_length + num_nodes)`, *optional*): the position of
+            every cache slot and then of every node; needed with `window`.
+        window (`int`, *optional*): a sliding window: a node sees only keys less than `window` positions before its
+            own (transformers' rule, `kv > q - window`). Positions, not slot indices: holes take no room in it.
 
     Returns:
         `torch.FloatTensor` of shape `(batch_size, 1, num_nodes, past_length + num_nodes)`: 0 where attention is
@@ -148,6 +156,9 @@ def build_tree_attention_mask(
     batch_size, num_nodes, _ = ancestors.shape
     past = past_mask[:, None, :].expand(batch_size, num_nodes, past_mask.shape[1])  # [B, N, S]
     allowed = torch.cat([past, ancestors], dim=-1)  # [B, N, S + N]
+    if window is not None:
+        node_positions = positions[:, past_mask.shape[1] :]
+        allowed = allowed & (positions[:, None, :] > node_positions[:, :, None] - window)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=ancestors.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]  # [B, 1, N, S + N]

@@ -36,9 +36,19 @@ def _assert_speculative_identical(model, rows: int = 2):
     assert drafter.last_stats.target_forward_passes <= 24
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_care_model_under_the_engine(family):
-    model = make_tiny(family)
+@pytest.mark.parametrize(
+    "family, window",
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("mistral", {"sliding_window": 6}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    ],
+)
+def test_care_model_under_the_engine(family, window):
+    """Sliding windows (6) shorter than prompt + generation (10 + 24): masked by position, CARE's keys RoPE'd by
+    position too."""
+    model = make_tiny(family, **window)
     care = convert_care(model, kv_keep=0.5, calibration=tiny_calibration(model), progress=False)
     _assert_speculative_identical(care, rows=1)
     _assert_speculative_identical(care, rows=2)

@@ -1,6 +1,6 @@
 """The engine on every decoder family a transformers user would try: tiny random float32 models (hidden 64, 2
 layers, vocabulary 300) whose greedy speculative output must equal plain greedy `generate`, or be refused in one line
-before anything is generated (sliding-window / local attention, ALiBi)."""
+before anything is generated (GPT-Neo's local attention, ALiBi)."""
 
 import random
 
@@ -79,10 +79,12 @@ FAMILIES = {
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {**_COMMON, "n_embd": 64, "n_layer": 2, "n_head": 4}),
 }
 
-# Attention over a window of recent tokens: the tree pass's mask carries no window, so these are refused.
+# Attention over a window of 8 recent tokens, shorter than prompt + generation (14 + 16): the engine keeps whole
+# layers and windows positions in its masks, one for all layers or one per layer type.
 WINDOWED = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {**_LLAMA_LIKE, "sliding_window": 8}),
-    "qwen2": (
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_LLAMA_LIKE, "sliding_window": 8}),
+    "qwen2": (  # layer 0 slides, layer 1 is full
         "Qwen2Config",
         "Qwen2ForCausalLM",
         {**_LLAMA_LIKE, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
@@ -90,19 +92,14 @@ WINDOWED = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**_LLAMA_LIKE, "sliding_window": 8}),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**_LLAMA_LIKE, "sliding_window": 8}),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {**_LLAMA_LIKE, "sliding_window": 8}),
-    "gpt_neo": (  # GPT-Neo's local layers mask a window of cache slot indices inside the attention module
-        "GPTNeoConfig",
-        "GPTNeoForCausalLM",
-        {
-            **_COMMON,
-            "hidden_size": 64,
-            "num_layers": 2,
-            "num_heads": 4,
-            "window_size": 8,
-            "attention_types": [[["global", "local"], 1]],
-        },
-    ),
 }
+# GPT-Neo's local layers mask a window of cache slot indices inside the attention module: refused.
+GPT_NEO_LOCAL = (
+    "GPTNeoConfig",
+    "GPTNeoForCausalLM",
+    {**_COMMON, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "window_size": 8,
+     "attention_types": [[["global", "local"], 1]]},
+)  # fmt: skip
 
 
 def _build(spec, seed: int = 0):
@@ -142,9 +139,7 @@ class _RandomTrees:
         return DraftTree.from_parent_lists(trees)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_speculation_equals_generate_on_every_family(family):
-    model = _build(FAMILIES[family])
+def _assert_speculation_equals_generate(model, family):
     for rows in (1, 3):
         kwargs = {**_prompts(rows), "max_new_tokens": 16, "do_sample": False}
         reference = model.generate(**kwargs)
@@ -162,14 +157,30 @@ def test_greedy_speculation_equals_generate_on_every_family(family):
             assert torch.equal(out, reference), f"{family}, transformers' assisted loop"
 
 
-@pytest.mark.parametrize("explicit_cache", [False, True])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_speculation_equals_generate_on_every_family(family):
+    _assert_speculation_equals_generate(_build(FAMILIES[family]), family)
+
+
 @pytest.mark.parametrize("family", sorted(WINDOWED))
-def test_windowed_attention_is_refused_in_one_line_whatever_the_cache(family, explicit_cache):
-    """A window shorter than prompt + generation: a config-less `DynamicCache()` keeps full layers, and the engine's
-    masks have no window, so it used to decode past the window silently differently from `generate`."""
-    model = _build(WINDOWED[family])
+def test_greedy_speculation_equals_generate_past_a_sliding_window(family):
+    """Random trees leave holes between rows' cache slots, so a window over slot indices would differ here."""
+    _assert_speculation_equals_generate(_build(WINDOWED[family]), family)
+
+
+def test_sliding_window_applies_to_explicit_caches_and_plain_layers():
+    """A config-less `DynamicCache()` has full layers: the window comes from the engine's masks, not the cache."""
+    model = _build(WINDOWED["gemma2"])
     kwargs = {**_prompts(3), "max_new_tokens": 16, "do_sample": False}
     reference = model.generate(**kwargs)
-    cache = {"past_key_values": DynamicCache()} if explicit_cache else {}
-    with pytest.raises(ValueError, match="sliding-window \\(local\\) attention in layers"):
-        model.generate(**kwargs, **cache, custom_generate=custom_generate, drafter=ReferenceDrafter(reference))
+    for cache in (DynamicCache(), DynamicCache(config=model.config)):
+        drafter = ReferenceDrafter(reference, depth=4, tree=True)
+        out = model.generate(**kwargs, past_key_values=cache, custom_generate=custom_generate, drafter=drafter)
+        assert torch.equal(out, reference)
+
+
+def test_local_attention_is_refused_in_one_line():
+    model = _build(GPT_NEO_LOCAL)
+    kwargs = {**_prompts(3), "max_new_tokens": 16, "do_sample": False}
+    with pytest.raises(ValueError, match="local attention layers window slot indices"):
+        model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(model.generate(**kwargs)))

@@ -48,6 +48,27 @@ def test_tree_mask_and_positions_brute_force():
     assert positions.tolist() == [[2, 3, 3, 4, 5], [3, 4, 5, 6, 7]]
 
 
+def test_windowed_tree_mask_brute_force():
+    """A sliding window counts positions, not slots: the hole (slot 2) takes no room in it."""
+    parent = torch.tensor([[-1, 0, 0, 1]])
+    past_mask = torch.tensor([[True, True, False, True, True]])
+    ancestors = compute_ancestor_matrix(parent)
+    node_positions = tree_position_ids(compute_depths(ancestors), torch.tensor([4]))  # [[4, 5, 5, 6]]
+    positions = torch.cat([torch.tensor([[0, 1, 9, 2, 3]]), node_positions], dim=1)  # the hole's: any value
+    for window in (1, 2, 3, 4, 8):
+        full = build_tree_attention_mask(ancestors, past_mask)
+        mask = build_tree_attention_mask(ancestors, past_mask, positions=positions, window=window)
+        for i in range(4):
+            query = int(node_positions[0, i])
+            for j in range(9):
+                allowed = bool(full[0, 0, i, j] == 0) and query - int(positions[0, j]) < window
+                assert (mask[0, 0, i, j] == 0) == allowed, (window, i, j)
+    # window 2: the root (position 4) sees position 3 and itself; node 3 (position 6) sees only node 1 and itself
+    mask = build_tree_attention_mask(ancestors, past_mask, positions=positions, window=2)[0, 0] == 0
+    assert mask[0].nonzero().flatten().tolist() == [4, 5]
+    assert mask[3].nonzero().flatten().tolist() == [6, 8]
+
+
 def test_draft_tree_builders():
     tree = DraftTree.from_chains([[5, 6, 7], [], [8]])
     assert tree.input_ids.shape == (3, 3)
