@@ -67,7 +67,7 @@ def custom_generate(
     ```
     """
     _validate_call("custom_generate", drafter, generation_config, logits_processor, model_kwargs)
-    _validate_engine_call(model, generation_config, synced_gpus)
+    _validate_engine_call(model, generation_config, synced_gpus, model_kwargs)
     streamer = streamer if streamer is not None else _find_streamer()
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(f"streaming supports batch size 1, got {input_ids.shape[0]}; drop `streamer=` or the batch")
@@ -114,10 +114,25 @@ def _validate_call(loop: str, drafter, generation_config, logits_processor, mode
         )
 
 
-def _validate_engine_call(model, generation_config, synced_gpus):
+# What `generate` prepares for a decoder-only model and the engine reads (or, `use_cache`, may ignore: it always caches)
+_ENGINE_MODEL_KWARGS = ("attention_mask", "past_key_values", "position_ids", "use_cache", "logits_to_keep")
+
+
+def _validate_engine_call(model, generation_config, synced_gpus, model_kwargs):
     """What hf-accel's own loop refuses besides [`_validate_call`]."""
     if synced_gpus:
         raise ValueError("speculative decoding does not support `synced_gpus=True`")
+    # the engine runs the model on tokens, positions, the mask and the cache only: any other input `generate` would
+    # pass on (a vision-language model's encoded `pixel_values`, ...) would be dropped and the text silently differ;
+    # empty ones (`mm_encoder_outputs={}` of a text-only call to such a model) change nothing
+    dropped = sorted(
+        k for k, v in model_kwargs.items() if k not in _ENGINE_MODEL_KWARGS and v is not None and not _empty(v)
+    )
+    if dropped:
+        raise ValueError(
+            "hf-accel's speculative decoding runs the model on `input_ids` alone (no images or other inputs) and "
+            f"would ignore {', '.join(f'`{k}`' for k in dropped)}; use plain `generate` for such inputs"
+        )
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
             raise ValueError(f"`{flag}=True` is not supported by hf-accel's speculative decoding; drop it")
@@ -129,6 +144,10 @@ def _validate_engine_call(model, generation_config, synced_gpus):
             f"{type(model).__name__} takes no per-token `position_ids` (ALiBi or no positions), which tree "
             "verification needs; hf-accel's speculative decoding supports models with `position_ids`"
         )
+
+
+def _empty(value) -> bool:
+    return isinstance(value, (dict, list, tuple)) and len(value) == 0
 
 
 def _find_streamer():

@@ -282,6 +282,30 @@ def test_transformers_assisted_loop_refuses_inputs_embeds(tiny_llama):
                             drafter=ReferenceDrafter(reference, corrupt_every=0))  # fmt: skip
 
 
+def test_model_inputs_the_engine_does_not_feed_are_refused_in_one_line():
+    """A vision-language model's `pixel_values` reach the callable with the other model inputs; the engine runs the
+    model on tokens alone, so it would decode as if there were no image."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from tests.conftest import TINY_CONFIG
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+    )
+    config = LlavaConfig(vision_config=vision, text_config=LlamaConfig(**TINY_CONFIG), image_token_id=96)
+    model = LlavaForConditionalGeneration(config).eval()
+    input_ids = torch.tensor([[5, 6, 96, 96, 96, 96, 7, 8]])  # four image tokens: one per 4x4 patch
+    kwargs = {"input_ids": input_ids, "pixel_values": torch.randn(1, 3, 8, 8), "max_new_tokens": 8, "do_sample": False}
+    reference = model.generate(**kwargs)
+    with pytest.raises(ValueError, match="no images.*would ignore `mm_encoder_outputs`"):  # the encoded images
+        model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(reference))
+    del kwargs["pixel_values"]  # text only: nothing is dropped
+    reference = model.generate(**kwargs)
+    out = model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(reference))
+    assert torch.equal(out, reference)
+
+
 def test_static_and_quantized_caches_are_refused_in_one_line(tiny_llama):
     input_ids = torch.tensor([[5, 6, 7, 8]])
     reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
