@@ -210,7 +210,7 @@ class VerifyResult:
 class _DecodeState:
     """Mutable per-call bookkeeping: committed tokens, active rows, cache validity and positions."""
 
-    def __init__(self, input_ids, attention_mask, max_length, pad_token_id):
+    def __init__(self, input_ids, attention_mask, max_length, pad_token_id, position_ids=None):
         batch_size, self.prompt_length = input_ids.shape
         device = input_ids.device
         self.sequences = torch.full((batch_size, max_length), pad_token_id, dtype=torch.long, device=device)
@@ -221,7 +221,12 @@ class _DecodeState:
         self.prompt_mask = attention_mask
         self.rows = torch.arange(batch_size, device=device)
         self.past_mask = attention_mask.bool()  # [B_active, S_cache]
-        self.next_position = attention_mask.sum(-1)  # position id of each row's root
+        # position id of each row's root: one past the prompt's last, as `generate` continues the `position_ids` it
+        # is given (its default ones count real tokens, the mask's sum; so do M-RoPE's 3D ones on text)
+        if position_ids is not None and position_ids.dim() == 2:
+            self.next_position = position_ids[:, -1].to(device=device, dtype=torch.long).expand(batch_size) + 1
+        else:
+            self.next_position = attention_mask.sum(-1)
         self.max_length = max_length
 
     def request(self, do_sample: bool) -> DraftRequest:
@@ -342,7 +347,7 @@ class SpeculativeEngine:
         """Decodes until every row stops; returns `sequences` `[B, prompt_length + generated]`."""
         start = time.perf_counter()
         pad = _pad_token_id(self.generation_config)
-        state = _DecodeState(input_ids, attention_mask, self.generation_config.max_length, pad)
+        state = _DecodeState(input_ids, attention_mask, self.generation_config.max_length, pad, position_ids)
         if hasattr(self.drafter, "begin"):
             self.drafter.begin(input_ids, state.prompt_mask, self.generation_config)
         cache = self._prefill(state, input_ids, attention_mask, past_key_values, position_ids)
@@ -439,7 +444,8 @@ class SpeculativeEngine:
         # committable one, the last position plain decoding reaches, so that models with a position table (GPT-2,
         # OPT) are never asked for a position past it.
         positions = tree_position_ids(depths.clamp(max=max_depth[:, None]), state.next_position)
-        past_positions = (state.past_mask.long().cumsum(-1) - 1).clamp(min=0)  # a hole's is masked, never read
+        # every slot's position (a hole's is masked, never read)
+        past_positions = (state.past_mask.long().cumsum(-1) - 1).clamp(min=0) + _position_offset(state)[:, None]
         if parent.shape[1] == 1 and self.window is None:
             # No draft: exactly `generate`'s decoding step (2D mask, or none without padding/holes): same kernels,
             # same cost, same logits as plain decoding.
@@ -576,6 +582,12 @@ class SpeculativeEngine:
             state.next_position = state.next_position[keep]
             if len(keep):
                 select_cache_rows(cache, keep)
+
+
+def _position_offset(state) -> torch.LongTensor:
+    """`[B_active]`: position of a row's first real token (0 unless the call gave `position_ids` starting elsewhere).
+    Every pass adds as many positions as valid slots, so the difference stays what the prompt set."""
+    return state.next_position - state.past_mask.sum(-1)
 
 
 def _gather_nodes(hidden: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:

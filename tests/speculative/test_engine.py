@@ -500,3 +500,22 @@ def test_drafts_deeper_than_the_budget_stay_inside_a_position_table(loop):
 
     out = model.generate(**kwargs, custom_generate=loop, drafter=TooDeep(reference))
     assert torch.equal(out, reference)
+
+
+def test_given_position_ids_are_continued_as_by_generate():
+    """`generate` continues the prompt's `position_ids` (one past the last); with learned positions (GPT-2) a decode
+    that restarted at the count of real tokens gives other text."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=2, pad_token_id=0)
+    model = GPT2LMHeadModel(config).eval()
+    input_ids, attention_mask = _ragged_batch(2)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor([[20], [5]])  # a row offset each
+    for rows in (1, 2):
+        kwargs = {"input_ids": input_ids[:rows], "attention_mask": attention_mask[:rows],
+                  "position_ids": position_ids[:rows], "max_new_tokens": 12, "do_sample": False}  # fmt: skip
+        reference = model.generate(**kwargs)
+        for tree in (False, True):
+            drafter = ReferenceDrafter(reference, tree=tree)
+            assert torch.equal(model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
