@@ -66,7 +66,7 @@ def custom_generate(
     >>> out = model.generate(**inputs, custom_generate=custom_generate, drafter=drafter, max_new_tokens=32)
     ```
     """
-    _validate_call("custom_generate", drafter, generation_config, logits_processor, model_kwargs)
+    _validate_call("custom_generate", model, drafter, generation_config, logits_processor, model_kwargs)
     _validate_engine_call(model, generation_config, synced_gpus, model_kwargs)
     streamer = streamer if streamer is not None else _find_streamer()
     if streamer is not None and input_ids.shape[0] > 1:
@@ -87,7 +87,7 @@ def custom_generate(
     return sequences
 
 
-def _validate_call(loop: str, drafter, generation_config, logits_processor, model_kwargs):
+def _validate_call(loop: str, model, drafter, generation_config, logits_processor, model_kwargs):
     """What both loops refuse, in one line each."""
     if not callable(getattr(drafter, "propose", None)):  # a name such as "ngram" is built with `build_drafter` first
         got = "none" if drafter is None else f"{type(drafter).__name__} {drafter!r}"[:80]
@@ -106,6 +106,14 @@ def _validate_call(loop: str, drafter, generation_config, logits_processor, mode
     # so rejected drafts would enter their state
     if any(isinstance(p, SynthIDTextWatermarkLogitsProcessor) for p in logits_processor or ()):
         raise ValueError("SynthID watermarking (`watermarking_config`) is not supported by speculative decoding")
+    # PEFT's generate hooks its prompt learning (virtual tokens, a KV prefix) into `prepare_inputs_for_generation`,
+    # which the engine never calls (it would decode without them) and transformers' assisted loop misaligns
+    peft_model = getattr(getattr(model, "prepare_inputs_for_generation", None), "__self__", None)
+    if getattr(getattr(peft_model, "active_peft_config", None), "is_prompt_learning", False):
+        raise ValueError(
+            "speculative decoding does not support PEFT prompt learning (prompt, prefix or p-tuning: its virtual "
+            "tokens); adapters such as LoRA are supported"
+        )
     # drafters read tokens; transformers' assisted loop would also run its first pass on the prompt's embeddings
     # alone, without the draft, and accept drafts against the wrong logits
     if model_kwargs.get("inputs_embeds") is not None:
@@ -248,7 +256,7 @@ def assisted_generate(
     streamer=None, drafter=None, **model_kwargs,
 ):  # fmt: skip
     """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`])."""
-    _validate_call("assisted_generate", drafter, generation_config, logits_processor, model_kwargs)
+    _validate_call("assisted_generate", model, drafter, generation_config, logits_processor, model_kwargs)
     streamer = streamer if streamer is not None else _find_streamer()
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)

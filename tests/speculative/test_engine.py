@@ -385,6 +385,24 @@ def test_a_peft_model_with_lora_on_the_embeddings_keeps_greedy_identity():
     assert torch.equal(out, reference)
 
 
+@pytest.mark.parametrize("peft_type", ["prompt", "prefix"])
+def test_peft_prompt_learning_is_refused_in_one_line(peft_type):
+    """PEFT feeds its virtual tokens (or KV prefix) through `prepare_inputs_for_generation`, which the engine never
+    calls: it decoded as if there were no adapter, and transformers' assisted loop crashed on the shapes."""
+    from peft import PrefixTuningConfig, PromptTuningConfig, get_peft_model
+
+    config = (PromptTuningConfig if peft_type == "prompt" else PrefixTuningConfig)(
+        task_type="CAUSAL_LM", num_virtual_tokens=4
+    )
+    model = get_peft_model(make_tiny_llama(seed=2), config).eval()
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = model.generate(input_ids=input_ids, max_new_tokens=8, do_sample=False)
+    for loop in (custom_generate, assisted_generate):
+        with pytest.raises(ValueError, match="PEFT prompt learning"):
+            model.generate(input_ids=input_ids, max_new_tokens=8, do_sample=False, custom_generate=loop,
+                           drafter=ReferenceDrafter(reference))  # fmt: skip
+
+
 def test_stopping_criteria_see_the_whole_batch_and_answer_per_row(tiny_llama):
     from transformers import StoppingCriteria, StoppingCriteriaList
 
