@@ -131,7 +131,7 @@ def test_infinigram_greedy_identity_tiny_model(tiny_llama, tmp_path, tree):
     name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(97))
     build_index([row.tolist() for row in reference], tmp_path / "idx", name, vocab_hash, vocab_size)
     for index in (None, tmp_path / "idx"):
-        drafter = InfinigramDrafter(index, FakeTokenizer(97), InfinigramConfig(tree=tree))
+        drafter = InfinigramDrafter(index, FakeTokenizer(97), InfinigramConfig(tree=tree, adaptive_cost=False))
         out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
         assert torch.equal(out, reference)
     assert out.speculative_stats.mean_accepted > 3  # the index holds these very outputs
