@@ -58,7 +58,9 @@ def custom_generate(
 
     Returns:
         `torch.LongTensor` of shape `(batch_size, prompt_length + generated)` (or a `GenerateDecoderOnlyOutput` with
-        `return_dict_in_generate=True`), with `.speculative_stats` attached ([`SpeculativeStats`]).
+        `return_dict_in_generate=True`, whose `past_key_values` is `None`: the engine's cache has holes between a
+        batch's rows and has dropped finished rows, so it is not the cache plain `generate` would return), with
+        `.speculative_stats` attached ([`SpeculativeStats`]).
 
     Example:
 
