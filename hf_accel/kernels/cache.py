@@ -27,6 +27,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .quant import QuantizedLatents, cat_quantized, quantize_per_token, resolve_group_size, validate_bits
 
 
+# The position of a token whose position is unknown: below any query's window (`-1` is not, for queries at `p < R − 1`)
+_NEVER_READ = torch.iinfo(torch.long).min
+
+
 def reads_in_full_precision(
     key_positions: torch.LongTensor, query_positions: torch.LongTensor, residual_length: int
 ) -> torch.BoolTensor:
@@ -94,7 +98,7 @@ class PaluQuantizedLayer(DynamicLayer):
             key_states (`torch.Tensor` of shape `[batch, groups, new_tokens, r_k]`): new key latents.
             value_states (`torch.Tensor` of shape `[batch, groups, new_tokens, r_v]`): new value latents.
             positions (`torch.LongTensor` of shape `[batch, new_tokens]`, *optional*): their positions, which decide
-                which queries read them in full precision (unknown: `-1`, never).
+                which queries read them in full precision (unknown: never).
         """
         if not self.is_initialized or self.get_seq_length() == 0:
             # (re)initialize from the real shapes: `Cache.early_initialization` may have used placeholder ones
@@ -103,7 +107,7 @@ class PaluQuantizedLayer(DynamicLayer):
         self.quantized_values = cat_quantized([self.quantized_values, self._quantize(value_states)], dim=-2)
         if self.residual_length > 0:
             if positions is None:
-                positions = torch.full(key_states.shape[:1] + key_states.shape[2:3], -1, dtype=torch.long)
+                positions = torch.full(key_states.shape[:1] + key_states.shape[2:3], _NEVER_READ, dtype=torch.long)
             elif self.window_length:  # no query of this pass, or of a later one, is below its first position
                 self._drop_unreadable(positions.to(self.window_positions).amin(-1))
             self.keys = torch.cat([self.keys, key_states.to(self.dtype)], dim=-2)

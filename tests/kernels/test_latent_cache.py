@@ -318,3 +318,19 @@ def test_straight_through_reads_the_codes_forward_and_passes_gradients_back():
     weights = torch.randn_like(read)
     (read * weights).sum().backward()
     assert torch.equal(states.grad, weights)  # the identity: rounding is skipped in the backward pass
+
+
+def test_tokens_appended_without_positions_are_read_from_codes():
+    from hf_accel.kernels import get_kernel
+
+    layer = PaluQuantizedLayer(bits=3, residual_length=4)
+    k, v = _latents(3, 0)
+    layer.append(k, v)  # positions unknown: no query reads their full-precision copies
+    head_dim, positions = 8, torch.arange(3).expand(B, -1)
+    gen = torch.Generator().manual_seed(1)
+    query, up_proj = torch.randn(B, G, 1, head_dim, generator=gen), torch.randn(G, RK, head_dim, generator=gen)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)
+    expected = get_kernel("rope_key_scores")(query, _qdq(k), up_proj, positions, inv_freq)
+    torch.testing.assert_close(layer.key_scores(query, up_proj, positions, inv_freq), expected, atol=1e-5, rtol=1e-5)
+    probs = torch.rand(B, G, 1, 3, generator=gen).softmax(-1)
+    torch.testing.assert_close(layer.attend_values(probs, positions), probs @ _qdq(v), atol=1e-5, rtol=1e-5)
