@@ -97,3 +97,46 @@ def test_truncate_rejects_bad_rank():
         f.truncate(6)
     with pytest.raises(ValueError, match="outside"):
         f.truncate(0)
+
+
+def test_shrinkage_is_the_convex_mix_with_a_ridge_at_a_fraction_of_the_largest_eigenvalue():
+    # C = diag(4, 1): λ_max = 4, λ = 0.25 · 4 = 1, C_λ = 0.5 C + 0.5 · 1 · I
+    c = torch.diag(torch.tensor([4.0, 1.0], dtype=torch.float64))
+    expected = torch.diag(torch.tensor([2.5, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(shrink_moment(c, alpha=0.5, lam_frac=0.25), expected)
+
+
+def test_whitened_factorize_weights_by_the_shrunk_moment():
+    # (√C_λ W)ᵀ(√C_λ W) = Wᵀ C_λ W: the σ² are its eigenvalues, with C_λ written out by hand
+    x, w = _random_problem(seed=5)
+    c = x.T @ x / x.shape[0]
+    alpha, lam_frac = 0.3, 0.2
+    c_lam = (1 - alpha) * c + alpha * lam_frac * torch.linalg.eigvalsh(c).max() * torch.eye(6, dtype=c.dtype)
+    f = whitened_factorize(w, c, alpha=alpha, lam_frac=lam_frac)
+    expected = torch.linalg.eigvalsh(w.T @ c_lam @ w).flip(0)
+    torch.testing.assert_close(f.sigma**2, expected, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(f.down @ f.up, w, atol=1e-9, rtol=1e-9)
+
+
+def test_symmetric_sqrt_clamps_relative_to_the_largest_eigenvalue():
+    # a dead channel (eigenvalue 0) next to a large one: S's condition number stays at 1/√eps = 1e6, not 1e12+
+    s, s_inv = symmetric_sqrt(torch.diag(torch.tensor([1e6, 0.0], dtype=torch.float64)))
+    torch.testing.assert_close(torch.diag(s), torch.tensor([1e3, 1e-3], dtype=torch.float64))
+    torch.testing.assert_close(s @ s_inv, torch.eye(2, dtype=torch.float64))
+
+
+def test_asvd_scale_is_the_clamped_mean_to_the_power_alpha():
+    scale = asvd_scale(torch.tensor([4.0, 0.0, 9.0]), alpha=0.5, eps=1e-6)
+    torch.testing.assert_close(scale, torch.tensor([2.0, 1e-3, 3.0], dtype=torch.float64))
+    torch.testing.assert_close(asvd_scale(torch.tensor([4.0]), alpha=1.0), torch.tensor([4.0], dtype=torch.float64))
+
+
+def test_two_sided_with_a_non_symmetric_output_weighting():
+    # B need not be symmetric: the truncation minimises ‖(W − Ŵ) B‖_F all the same
+    _, w = _random_problem(seed=6)
+    g = torch.Generator().manual_seed(8)
+    b = torch.randn(w.shape[1], w.shape[1], generator=g, dtype=torch.float64) + 3 * torch.eye(w.shape[1])
+    f = factorize(w, out_scale=b)
+    down, up = f.truncate(2)
+    err = (((w - down @ up) @ b) ** 2).sum()
+    assert torch.allclose(err, (torch.linalg.svdvals(w @ b)[2:] ** 2).sum(), rtol=1e-8)
