@@ -86,3 +86,34 @@ def test_relative_energy_is_per_matrix_fraction():
     assert torch.allclose(gains[0], gains[1]) and torch.allclose(
         gains[0].sum(), torch.tensor(1.0, dtype=torch.float64)
     )
+
+
+def test_budget_rounds_to_nearest_and_keeps_one_rank_per_matrix():
+    assert budget_from_kv_keep([10, 10, 10], 0.49) == 15  # 14.7 rounds up, not down
+    assert budget_from_kv_keep([10, 10, 10, 10], 0.01) == 4  # 0.4 would leave matrices without a rank
+
+
+def test_uniform_ranks_stop_at_the_cap():
+    # a [32, 64] projection has rank 32: kv_keep 1.0 of its width is its cap
+    assert uniform_ranks([64, 64], 1.0, caps=[32, 64]) == [32, 64]
+
+
+def test_water_fill_clips_caps_and_floors():
+    gains = [torch.ones(2, dtype=torch.float64), torch.ones(3, dtype=torch.float64)]
+    assert water_fill(gains, 5, caps=[4, 4]) == [2, 3]  # a cap above the matrix's rank is its rank
+    assert water_fill(gains, 5, caps=[2, 3], floors=[3, 3]) == [2, 3]  # a floor above the cap is the cap
+
+
+def test_water_fill_separates_gains_closer_than_float32():
+    gains = [torch.tensor([1.0], dtype=torch.float64), torch.tensor([1.0 + 1e-12], dtype=torch.float64)]
+    assert water_fill(gains, 1, floors=0) == [0, 1]
+
+
+def test_tie_break_holds_for_many_equal_gains():
+    gains = [torch.ones(64, dtype=torch.float64) for _ in range(8)]
+    assert water_fill(gains, 100, floors=0) == [64, 36, 0, 0, 0, 0, 0, 0]
+
+
+def test_relative_energy_values():
+    gains = relative_energy_gains([torch.tensor([3.0, 1.0])])
+    torch.testing.assert_close(gains[0], torch.tensor([0.9, 0.1], dtype=torch.float64))
