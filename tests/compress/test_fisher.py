@@ -62,3 +62,16 @@ def test_collect_fisher_scores_matches_manual_gradients():
     expected = (squares / len(ids)).sqrt().mean().item()
     assert scores[1][1] == pytest.approx(expected, rel=1e-5)
     assert all(p.requires_grad for p in model.parameters())  # flags restored
+
+
+def test_largest_remainders_by_hand():
+    # shares 1.9 and 5.1 of 7: floors 1 and 5, the one unit left goes to the larger remainder (0.9), not the larger share
+    assert allocate_fisher_ranks([1.9, 5.1], caps=[8, 8], budget=7) == [2, 5]
+    # shares 2.5 and 3.5: equal remainders, the unit goes to the lower index (no round-half-to-even)
+    assert allocate_fisher_ranks([2.5, 3.5], caps=[8, 8], budget=6) == [3, 3]
+
+
+def test_floor_is_fixed_before_the_others_share_the_rest():
+    # shares 18.0, 1.8, 0.18 of 20: the last target is raised to its floor of 1, the other two split the 19 left
+    # 100:10 (17.27, 1.73), and the leftover unit goes to the larger remainder
+    assert allocate_fisher_ranks([100.0, 10.0, 1.0], caps=[32] * 3, budget=20) == [17, 2, 1]
