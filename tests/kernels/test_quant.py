@@ -134,3 +134,42 @@ def test_float16_metadata_saturates_instead_of_overflowing(row):
     assert (out - x).abs()[0, 2:].max() <= q.scales.float().max()  # small entries stay within a step
     wide = quantize_per_token(x, 3, meta_dtype=torch.float32)  # float32 metadata keeps the bound
     assert ((dequantize_per_token(wide) - x).abs() <= wide.scales / 2 + 1e-3).all()
+
+
+@pytest.mark.parametrize("meta_dtype", [torch.float16, torch.bfloat16])
+def test_stored_grid_covers_the_range(meta_dtype):
+    # zero rounded down and step rounded up to meta_dtype: X_min ≥ zero and zero + (2^b − 1)·step ≥ X_max
+    torch.manual_seed(0)
+    x = torch.randn(64, 32) * 3 + 1
+    for bits in (2, 3, 4):
+        q = quantize_per_token(x, bits, meta_dtype=meta_dtype)
+        zeros, steps = q.zeros.double()[:, 0], q.scales.double()[:, 0]
+        assert (zeros <= x.double().amin(-1)).all()
+        top = zeros + (2**bits - 1) * steps
+        assert (top >= x.double().amax(-1) - 1e-6 * x.double().abs().amax(-1)).all()
+
+
+def test_saturated_latent_takes_the_top_code():
+    # 5e5 exceeds what a float16 step can reach at 3 bits: it is clipped to the last grid point, code 7
+    q = quantize_per_token(torch.tensor([[0.0, 5e5, 1.0, 2.0]]), 3)
+    assert unpack_codes(q.codes, 3, 4)[0, 1] == 7
+    assert dequantize_per_token(q)[0, 1] == 7 * q.scales.float().item() + q.zeros.float().item()
+
+
+def test_constant_vector_gets_a_positive_step_and_code_zero():
+    q = quantize_per_token(torch.zeros(2, 16), 3)
+    assert (q.scales > 0).all() and (unpack_codes(q.codes, 3, 16) == 0).all()
+
+
+@pytest.mark.parametrize("dim,bits", [(13, 3), (5, 2), (7, 4), (3, 5)])
+def test_bytes_per_token_rounds_the_bit_stream_up(dim, bits):
+    q = quantize_per_token(torch.randn(4, dim), bits)
+    assert compute_bytes_per_token(dim, bits) == math.ceil(dim * bits / 8) + 4 == q.nbytes // 4
+
+
+def test_cat_along_the_channel_axis_is_refused():
+    a = quantize_per_token(torch.randn(2, 3, 8), 3)
+    with pytest.raises(ValueError, match="leading dimension"):
+        cat_quantized([a, a], dim=-1)
+    with pytest.raises(ValueError, match="leading dimension"):
+        cat_quantized([a, a], dim=2)
