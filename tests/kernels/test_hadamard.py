@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -70,3 +72,16 @@ def test_folded_factors_reproduce_reconstruction(rank):
 def test_fold_rejects_mismatched_ranks():
     with pytest.raises(ValueError, match="rank 8"):
         fold_hadamard_into_factors(torch.randn(4, 8), torch.randn(6, 4))
+
+
+def test_float64_matrix_is_exact():
+    h = hadamard_matrix(8, torch.float64)
+    assert (h.abs() - 1 / math.sqrt(8)).abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_transform_keeps_the_input_dtype(dtype):
+    x = torch.randn(3, 24).to(dtype)
+    out = apply_hadamard(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), x.float() @ hadamard_matrix(24), atol=2e-2, rtol=2e-2)
