@@ -320,6 +320,26 @@ def test_straight_through_reads_the_codes_forward_and_passes_gradients_back():
     assert torch.equal(states.grad, weights)  # the identity: rounding is skipped in the backward pass
 
 
+def test_select_positions_in_any_order_keeps_only_the_trailing_window_run():
+    # index order is free: a window slot (4 or 5) placed before a coded one (0, 1) loses its full-precision copy
+    layer, ref = PaluQuantizedLayer(bits=3, residual_length=3), _Reference(3)
+    k, v = _latents(6, 0)
+    layer.update(k, v)
+    ref.append(k, v)
+    index = torch.tensor([[5, 0, 4], [4, 1, 5]])
+    layer.select_positions(index)
+    ref.select(index)
+    _check(layer, ref)
+    assert layer.window_length == 1
+
+
+def test_release_window_drops_every_copy_no_later_query_reads():
+    layer = PaluQuantizedLayer(bits=3, residual_length=2)
+    layer.append(*_latents(4, 0), torch.arange(4).expand(B, -1))
+    layer.release_window(torch.full((B, 1), 10), 1)  # the next queries are at 10 or later: 0..3 are read from codes
+    assert layer.window_length == 0 and layer.window_positions.shape == (B, 0)
+
+
 def test_tokens_appended_without_positions_are_read_from_codes():
     from hf_accel.kernels import get_kernel
 
