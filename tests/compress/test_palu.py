@@ -9,6 +9,7 @@ import torch
 from hf_accel.compress.palu import (
     convert_palu,
     default_group_size,
+    factorize_groups,
     fisher_group_ranks,
     fold_values_into_o_proj,
     group_kv_weight,
@@ -381,3 +382,50 @@ def test_cli_saves_the_source_dtype(tmp_path, model, tokenizer, capsys):
     rank_sum = sum(summary["k_ranks"]) + sum(summary["v_ranks"])  # one group of 4 KV heads
     layers = json.loads((out / "config.json").read_text())["num_hidden_layers"]
     assert summary["window_bytes_per_sequence"] == 4 * (rank_sum * 2 + layers * 8)  # bfloat16 latents
+
+
+def test_uniform_group_rank_rounds_to_the_nearest_multiple():
+    assert uniform_group_ranks(64, 0.45, 8, 1) == ([32], [32])  # 28.8 is 3.6 multiples of 8: 4, not 3
+
+
+def test_kfac_gains_are_squared_singular_values():
+    # K: σ = 2, 2 | 2, 2 (second block: Σσ = 4, Σσ² = 8); V: σ = 3, 3 | 3, 0.5 (Σσ = 3.5, Σσ² = 9.25): the third
+    # block of the budget goes to V, whose block removes more of the loss estimate
+    sigmas = [([torch.full((4,), 2.0)], [torch.tensor([3.0, 3.0, 3.0, 0.5])])]
+    assert kfac_group_ranks(sigmas, 4, kv_keep=0.75, multiple=2) == ([2], [4])
+
+
+def test_factorize_groups_weights_each_group_by_its_own_gradient_block():
+    # S = I, no shrinkage: the σ² of group g are the eigenvalues of W_gᵀ W_g G_gg (similar to √G W_gᵀ W_g √G)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 8, generator=gen, dtype=torch.float64)  # 4 KV heads of dim 2, groups of 2 heads
+    grads = torch.randn(30, 8, generator=gen, dtype=torch.float64) * torch.arange(1.0, 9.0, dtype=torch.float64)
+    out_moment = grads.T @ grads / 30
+    eye = torch.eye(6, dtype=torch.float64)
+    groups = factorize_groups(weight, (eye, eye), 4, 2, 2, out_moment=out_moment, alpha=0.0, lam_frac=0.0)
+    for g, factors in enumerate(groups):
+        cols = slice(4 * g, 4 * (g + 1))
+        w_g = weight[:, cols]
+        expected = torch.linalg.eigvals(w_g.T @ w_g @ out_moment[cols, cols]).real.sort(descending=True).values
+        torch.testing.assert_close(factors.sigma**2, expected, rtol=1e-8, atol=1e-10)
+
+
+def test_fisher_budget_rounds_to_the_nearest_unit():
+    # 0.47 · 2 targets · 64 = 60.2 ranks = 7.52 units of 8: 8 units, 32 ranks each for equal scores
+    assert fisher_group_ranks([(1.0, 1.0)], 64, 1, kv_keep=0.47, multiple=8) == ([32], [32])
+
+
+def test_hadamard_rotates_both_key_and_value_latents(model, tokenizer):
+    from hf_accel.compress.calibration import collect_kv_calibration
+    from hf_accel.kernels.hadamard import apply_hadamard
+
+    calibration = collect_kv_calibration(model, _ids(4, 32), progress=False)
+    common = dict(kv_keep=0.5, group_size=2, ranks="uniform", calibration=calibration, **FAST)
+    plain, _ = convert_palu(model, tokenizer, hadamard=False, **common)
+    rotated, _ = convert_palu(model, tokenizer, hadamard=True, **common)
+    x = torch.randn(5, model.config.hidden_size)
+    for name in ("k_down", "v_down"):
+        latent = x @ getattr(plain.model.layers[0].self_attn, name).weight.T  # [5, n_g · r]
+        expected = apply_hadamard(latent.view(5, 2, -1)).view(5, -1)  # one rotation per group
+        got = x @ getattr(rotated.model.layers[0].self_attn, name).weight.T
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
