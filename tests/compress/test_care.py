@@ -9,6 +9,7 @@ import torch
 from hf_accel.compress.calibration import chunk_token_ids
 from hf_accel.compress.care import (
     CareConversionConfig,
+    allocate_ranks,
     build_care_model,
     convert_care,
     factorize_kv,
@@ -16,6 +17,7 @@ from hf_accel.compress.care import (
     run_care_conversion,
     save_care_model,
 )
+from hf_accel.compress.factorize import LowRankFactors
 from tests.compress.care_helpers import make_tiny, tiny_calibration
 
 
@@ -353,3 +355,16 @@ def test_generated_calibration_with_a_tokenizer_without_a_pad_token():
     ids = generate_calibration_ids(make_tiny("llama", vocab_size=128), tokenizer, 3, 5, progress=False)
     assert ids.shape == (3, 5)
     assert tokenizer.pad_token is None and tokenizer.padding_side == "right"
+
+
+def _factors(sigma):
+    # full-rank factors of a width-4 projection with singular values `sigma` (only the shapes and σ matter here)
+    return LowRankFactors(down=torch.zeros(8, 4), up=torch.zeros(4, 4), sigma=torch.tensor(sigma))
+
+
+def test_allocation_returns_k_then_v_and_honours_the_rank_floor():
+    factors = [(_factors([10.0, 9.0, 8.0, 7.0]), _factors([1.0, 0.5, 0.2, 0.1]))]
+    # budget 0.5 · 8 = 4: one rank each, then K's σ² = 81 and 64 beat V's 0.25
+    assert allocate_ranks(factors, 0.5, "care") == ([3], [1])
+    # a floor of half the largest rank: V keeps 2, K takes what is left
+    assert allocate_ranks(factors, 0.5, "care", rank_floor_frac=0.5) == ([2], [2])
