@@ -1,0 +1,40 @@
+"""K/V calibration statistics against a direct autograd oracle: padding is excluded, gradients are per token."""
+
+import torch
+
+from hf_accel.compress.calibration import collect_kv_calibration
+from tests.conftest import make_tiny_llama
+
+
+def _direct_statistics(model, ids):
+    """Layer 0's `Σ xᵀx`, `Σ |x|` and `Σ gᵀg` of one unpadded sequence, g the gradient of the summed loss at k_proj."""
+    attn = model.model.layers[0].self_attn
+    seen = {}
+    handles = [
+        attn.k_proj.register_forward_pre_hook(lambda _m, args: seen.update(x=args[0].detach())),
+        attn.k_proj.register_forward_hook(lambda _m, _a, out: seen.update(k=out)),
+    ]
+    try:
+        with torch.enable_grad():
+            embeds = model.get_input_embeddings()(ids[None]).detach().requires_grad_(True)
+            loss = model(inputs_embeds=embeds, labels=ids[None]).loss * (len(ids) - 1)
+            (grad,) = torch.autograd.grad(loss, seen["k"])
+    finally:
+        for handle in handles:
+            handle.remove()
+    x, g = seen["x"][0].double(), grad[0].double()
+    return x.T @ x, x.abs().sum(0), g.T @ g
+
+
+def test_padding_is_excluded_and_gradient_moments_are_per_token():
+    model = make_tiny_llama()
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0  # right padding: the real tokens of row 1 never see it
+    cal = collect_kv_calibration(model, ids, mask, with_output_grads=True, progress=False)
+    rows = [_direct_statistics(model, ids[0]), _direct_statistics(model, ids[1, :5])]
+    assert cal.tokens == 13
+    moment, abs_sum, grad_moment = (sum(parts) / 13 for parts in zip(*rows))
+    torch.testing.assert_close(cal.moments[0], moment, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(cal.abs_means[0], abs_sum, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(cal.k_grad_moments[0], grad_moment, rtol=1e-3, atol=1e-9)
