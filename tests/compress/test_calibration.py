@@ -38,3 +38,17 @@ def test_padding_is_excluded_and_gradient_moments_are_per_token():
     torch.testing.assert_close(cal.moments[0], moment, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(cal.abs_means[0], abs_sum, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(cal.k_grad_moments[0], grad_moment, rtol=1e-3, atol=1e-9)
+
+
+def test_left_padding_leaves_the_statistics_of_real_tokens_unchanged():
+    """A left-padded row gives the unpadded row's statistics: its first real token is a label predicted from a pad
+    position, but that position attends to pads only (causal mask), so no gradient reaches a real token's K/V."""
+    model = make_tiny_llama()
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cal = collect_kv_calibration(model, ids, mask, with_output_grads=True, progress=False)
+    rows = [_direct_statistics(model, ids[0]), _direct_statistics(model, ids[1, 3:])]
+    assert cal.tokens == 13
+    for got, parts in ((cal.k_grad_moments[0], [r[2] for r in rows]), (cal.moments[0], [r[0] for r in rows])):
+        torch.testing.assert_close(got, sum(parts) / 13, rtol=1e-3, atol=1e-9)
