@@ -47,9 +47,9 @@ def water_fill(
     Returns:
         `list[int]`: the ranks, summing to `budget`.
     """
-    caps = [len(g) for g in gains] if caps is None else [min(int(c), len(g)) for c, g in zip(caps, gains)]
+    caps = [len(g) for g in gains] if caps is None else [min(int(c), len(g)) for c, g in zip(caps, gains, strict=True)]
     floors = [floors] * len(gains) if isinstance(floors, int) else list(floors)
-    floors = [min(f, c) for f, c in zip(floors, caps)]
+    floors = [min(f, c) for f, c in zip(floors, caps, strict=True)]
     if not sum(floors) <= budget <= sum(caps):
         raise ValueError(f"budget {budget} is outside [{sum(floors)}, {sum(caps)}] (floors and caps of the matrices)")
     # Pool every gain above the floor and below the cap, then take the largest: (-gain, matrix, rank) sorts ties.
@@ -70,8 +70,10 @@ def water_fill(
 
 def water_fill_greedy(gains, budget, caps=None, floors=1) -> list[int]:
     """The heap greedy of spec Algorithm 2 (with caps), the reference that `water_fill` is tested against."""
-    caps = [len(g) for g in gains] if caps is None else [min(int(c), len(g)) for c, g in zip(caps, gains)]
-    ranks = [min(f, c) for f, c in zip([floors] * len(gains) if isinstance(floors, int) else floors, caps)]
+    caps = [len(g) for g in gains] if caps is None else [min(int(c), len(g)) for c, g in zip(caps, gains, strict=True)]
+    ranks = [
+        min(f, c) for f, c in zip([floors] * len(gains) if isinstance(floors, int) else floors, caps, strict=True)
+    ]
     heap = [(-float(g[r]), m) for m, (g, r) in enumerate(zip(gains, ranks)) if r < caps[m]]
     heapq.heapify(heap)
     for _ in range(budget - sum(ranks)):

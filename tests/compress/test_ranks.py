@@ -67,6 +67,11 @@ def test_water_fill_rejects_infeasible_budget():
         water_fill(gains, 7)
     with pytest.raises(ValueError, match="budget"):
         water_fill(gains, 1)  # below the floors (1 each)
+    for fill in (water_fill, water_fill_greedy):  # a caps or floors list that misses a matrix used to drop it
+        with pytest.raises(ValueError, match="zip"):
+            fill(gains, 3, caps=[3])
+        with pytest.raises(ValueError, match="zip"):
+            fill(gains, 3, floors=[1])
 
 
 @pytest.mark.parametrize("kv_keep", [0.0, -0.1, 1.5, float("nan")])
