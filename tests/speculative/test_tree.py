@@ -98,3 +98,13 @@ def test_tree_mask_matches_sequential_decoding(tiny_llama):
         full = torch.cat([prompt, tree_ids[:, path]], dim=1)
         expected = tiny_llama(full).logits[0, -1]
         torch.testing.assert_close(logits[0, node], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_validate_parents_refuses_self_parents_and_orphans():
+    """A node that is its own parent, or a non-root node without one, is no tree: refused, not verified as garbage."""
+    import pytest
+
+    validate_parents(torch.tensor([[-1, 0, 1, 1]]))
+    for bad in ([-1, 0, 2, 1], [-1, 0, -1, 1], [0, 0, 1, 2], [-1, 0, 3, 1]):
+        with pytest.raises(ValueError, match="topologically ordered"):
+            validate_parents(torch.tensor([bad]))
