@@ -594,3 +594,22 @@ def test_index_build_puts_everything_in_a_tilde_out_directory(tmp_path, monkeypa
     out = tmp_path / "home" / "idx"
     assert {"README.md", "self_distill.jsonl", *INDEX_FILES} <= set(os.listdir(out))
     assert InfinigramIndex(out).header.num_documents == 2
+
+
+def test_context_drafts_continue_the_most_recent_longest_match():
+    """Context-only drafting by hand: the draft continues *after* the matched suffix, and with room for one
+    occurrence the longest, then most recent, one is kept."""
+    drafter = InfinigramDrafter(None, config=InfinigramConfig(threshold=0.0))
+    tokens, parents, _ = drafter.draft_row(np.array([5, 6, 7, 8, 5, 6, 7]), depth=3, max_nodes=8)
+    assert tokens[:3] == [8, 5, 6] and parents[:3] == [-1, 0, 1]
+    # "5 3" occurs twice (continued by 8, then by 9), "3" alone once more (continued by 6)
+    context = np.array([5, 3, 8, 5, 3, 9, 3, 6, 4, 5, 3])
+    drafter = InfinigramDrafter(None, config=InfinigramConfig(threshold=0.0, max_context_occurrences=1))
+    assert drafter.draft_row(context, depth=1, max_nodes=8)[0] == [9]
+
+
+def test_majority_chain_ties_go_to_the_smallest_token():
+    conts = np.array([[9, 1], [4, 2], [6, 3]])  # three equal votes under the root
+    tokens, parents, weights = build_weighted_trie(conts, np.ones(3))
+    chosen = select_tree_nodes(parents, [w / 3 for w in weights], 8, 0.0, chain=True)
+    assert [tokens[n] for n in chosen] == [4, 2]
