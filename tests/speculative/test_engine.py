@@ -537,3 +537,69 @@ def test_given_position_ids_are_continued_as_by_generate():
         for tree in (False, True):
             drafter = ReferenceDrafter(reference, tree=tree)
             assert torch.equal(model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
+
+
+def test_hidden_states_and_best_node_follow_the_accepted_path(tiny_llama):
+    """A wrong node comes first in every tree, so the accepted path is not the tree's first nodes: the hidden states
+    handed back are the target's own at the root and the accepted nodes (a plain forward over the committed text),
+    and `best_node` is the drafter-numbered node whose path holds the accepted drafts."""
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=12, do_sample=False)
+
+    class WrongFirst(ReferenceDrafter):
+        requires_hidden_states = (0, -1)
+
+        def __init__(self, reference):
+            super().__init__(reference, depth=3, corrupt_every=0)
+            self.proposals = []
+
+        def propose(self, request):
+            length = int(request.lengths[0])
+            chain = self.reference[0, length : length + self.depth].tolist()
+            tokens = [(chain[0] + 1) % 97 if chain else 5] + chain  # node 0: a wrong child of the root
+            parents = [-1] + [-1] + list(range(1, len(chain)))
+            self.proposals.append((tokens, parents))
+            return DraftTree.from_parent_lists([(tokens, parents)])
+
+    drafter = WrongFirst(reference)
+    out = tiny_llama.generate(input_ids, max_new_tokens=12, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(out, reference)
+    full = tiny_llama(reference, output_hidden_states=True).hidden_states
+    length = input_ids.shape[1] + 1  # committed after the prefill
+    for result, (tokens, parents) in zip(drafter.results[1:], drafter.proposals):
+        node, path = int(result.best_node[0]), []
+        while node >= 0:
+            path.insert(0, tokens[node])
+            node = parents[node]
+        assert path == result.new_tokens[0][:-1]
+        kept = int(result.path_length[0])
+        for layer in (0, -1):
+            torch.testing.assert_close(
+                result.hidden_states[layer][0, :kept], full[layer][0, length - 1 : length - 1 + kept]
+            )
+        length += len(result.new_tokens[0])
+    assert max(len(r.new_tokens[0]) for r in drafter.results[1:]) > 2  # drafts were accepted past the wrong node
+
+
+def test_each_row_is_verified_against_its_own_draft_probabilities():
+    """Rows draft different tokens from different point masses: a row's draft of `x` (probability 1 under its own
+    `q`) is accepted with probability `p(x)`, not 1 as under another row's `q` that gives `x` no mass. Oracle: the
+    target's exact `p(x)` after each row's first sampled token."""
+    model = make_tiny_llama(seed=1, vocab_size=12)
+    prompt, x, y, n = torch.tensor([[3, 5, 7]]), 4, 9, 400
+
+    class RowProbs:
+        def propose(self, request):
+            tokens = torch.tensor([[x if int(r) % 2 else y] for r in request.rows])
+            probs = torch.nn.functional.one_hot(tokens, 12).float()  # [B, 1, V]: each row's own point mass
+            return DraftTree(tokens, torch.full_like(tokens, -1), draft_probs=probs)
+
+    torch.manual_seed(0)
+    out = model.generate(prompt.expand(n, -1), max_new_tokens=3, do_sample=True, top_k=0,
+                         custom_generate=custom_generate, drafter=RowProbs())  # fmt: skip
+    odd = out[1::2]
+    odd = odd[odd[:, 3] != model.generation_config.eos_token_id]
+    with torch.no_grad():
+        p_x = torch.softmax(model(odd[:, :4]).logits[:, -1], -1)[:, x]
+    freq, expected = float((odd[:, 4] == x).float().mean()), float(p_x.mean())
+    assert abs(freq - expected) < 4 * (expected * (1 - expected) / len(odd)) ** 0.5 + 0.01, (freq, expected)
