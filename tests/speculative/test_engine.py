@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hf_accel.speculative import DraftTree, assisted_generate, custom_generate
 from hf_accel.speculative.drafters.infinigram import node_depths
-from tests.conftest import make_tiny_llama
+from tests.conftest import TINY_CONFIG, make_tiny_llama
 
 
 class ReferenceDrafter:
@@ -603,3 +603,28 @@ def test_each_row_is_verified_against_its_own_draft_probabilities():
         p_x = torch.softmax(model(odd[:, :4]).logits[:, -1], -1)[:, x]
     freq, expected = float((odd[:, 4] == x).float().mean()), float(p_x.mean())
     assert abs(freq - expected) < 4 * (expected * (1 - expected) / len(odd)) ** 0.5 + 0.01, (freq, expected)
+
+
+def test_negative_draft_token_ids_are_refused_in_one_line(tiny_llama):
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+
+    class Negative:
+        def propose(self, request):
+            return DraftTree.from_parent_lists([([6, -1], [-1, 0])] * len(request.rows))
+
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate, drafter=Negative())
+
+
+def test_sliding_window_models_are_refused_in_one_line():
+    """A sliding-window cache layer keeps only its window (it was a tensor size error deep in the attention)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**{**TINY_CONFIG, "sliding_window": 4})
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    reference = model.generate(input_ids, max_new_tokens=8, do_sample=False)
+    with pytest.raises(ValueError, match="sliding-window layer"):
+        model.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate,
+                       drafter=ReferenceDrafter(reference, tree=True))  # fmt: skip
