@@ -616,15 +616,17 @@ def test_negative_draft_token_ids_are_refused_in_one_line(tiny_llama):
         tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate, drafter=Negative())
 
 
-def test_sliding_window_models_are_refused_in_one_line():
-    """A sliding-window cache layer keeps only its window (it was a tensor size error deep in the attention)."""
-    from transformers import MistralConfig, MistralForCausalLM
+def test_a_filled_sliding_window_cache_is_refused_in_one_line():
+    """The engine serves sliding-window models from full layers (test_families); a sliding cache layer that already
+    holds tokens keeps only its window, which the engine cannot gather (it was a tensor size error in attention)."""
+    from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
     config = MistralConfig(**{**TINY_CONFIG, "sliding_window": 4})
     torch.manual_seed(0)
     model = MistralForCausalLM(config).eval()
     input_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    reference = model.generate(input_ids, max_new_tokens=8, do_sample=False)
+    cache = DynamicCache(config=config)
+    model(input_ids[:, :3], past_key_values=cache)
     with pytest.raises(ValueError, match="sliding-window layer"):
-        model.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate,
-                       drafter=ReferenceDrafter(reference, tree=True))  # fmt: skip
+        model.generate(input_ids, past_key_values=cache, max_new_tokens=8, custom_generate=custom_generate,
+                       drafter=ReferenceDrafter(input_ids, tree=True))  # fmt: skip
