@@ -63,6 +63,7 @@ for models whose config names each layer's type ([`attention_window`]).
   rule's) and the text does not depend on the draft tree. With draft probabilities, rejection sampling.
 """
 
+import inspect
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -272,7 +273,7 @@ def attention_window(config) -> tuple[int | None, bool]:
     The engine keeps every layer's whole history (gathering accepted nodes in a sliding cache layer would have to
     know the window's origin) and hides in the mask what a window drops. Returns `(None, False)` for full attention;
     `(W, False)` when every layer slides over `W` tokens and the model takes one mask (Mistral, Phi-3, Starcoder2);
-    `(W, True)` when the config names each layer's type, the model then taking `{"full_attention": mask,
+    `(W, True)` when the config's class names each layer's type, the model then taking `{"full_attention": mask,
     "sliding_attention": mask}` (Gemma 2/3, Qwen2/3, Cohere2). The layout is the one `DynamicCache(config=...)`
     gives. Raises `ValueError` for windows it cannot mask: chunked attention (Llama 4), GPT-Neo's local layers (a
     window over slot indices inside the attention module), windows that differ between layers.
@@ -283,6 +284,9 @@ def attention_window(config) -> tuple[int | None, bool]:
     name = getattr(config, "model_type", type(config).__name__)
     if "local" in (getattr(config, "attention_layers", None) or ()):
         raise ValueError(f"{name}'s local attention layers window slot indices, which tree verification cannot mask")
+    if getattr(config, "layer_types", None) is not None and not _declares_layer_types(config):
+        # a `layer_types` its model ignores (Mistral given Ministral's): one mask windows every layer by `sliding_window`
+        return getattr(config, "sliding_window", None), False
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     windowed_layers = [
         (kind, kw["sliding_window"]) for kind, kw in zip(layer_types, layer_kwargs) if "sliding_window" in kw
@@ -299,6 +303,12 @@ def attention_window(config) -> tuple[int | None, bool]:
     if not per_layer_type and len(windowed_layers) != len(layer_types):
         raise ValueError(f"{name} mixes sliding and full attention layers without naming them in `layer_types`")
     return next(iter(windowed))[1], per_layer_type
+
+
+def _declares_layer_types(config) -> bool:
+    """Whether `config`'s class takes a `layer_types` argument, which its model reads to build one mask per layer
+    type; a class without one keeps a given `layer_types` as an extra key that its model never reads."""
+    return "layer_types" in inspect.signature(type(config).__init__).parameters
 
 
 def _has_sliding_layers(cache) -> bool:

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from hf_accel.speculative import DraftTree, assisted_generate, custom_generate
 from hf_accel.speculative.drafters import build_drafter
+from hf_accel.speculative.engine import attention_window
 from tests.speculative.test_engine import ReferenceDrafter
 
 
@@ -184,3 +185,14 @@ def test_local_attention_is_refused_in_one_line():
     kwargs = {**_prompts(3), "max_new_tokens": 16, "do_sample": False}
     with pytest.raises(ValueError, match="local attention layers window slot indices"):
         model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(model.generate(**kwargs)))
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention"] * 2])
+def test_mistral_given_layer_types_windows_every_layer_by_its_sliding_window(layer_types):
+    """Mistral's config takes no `layer_types` field: one given (as old Ministral checkpoints of model type "mistral"
+    carry) is kept as an extra key, but the model ignores it and windows every layer by `sliding_window` in one mask.
+    The engine had read it: no window at all for full types (other text than generate), a dict of masks for sliding
+    ones (a crash)."""
+    model = _build(("MistralConfig", "MistralForCausalLM", {**WINDOWED["mistral"][2], "layer_types": layer_types}))
+    assert attention_window(model.config) == (8, False)
+    _assert_speculation_equals_generate(model, f"mistral with layer_types {layer_types}")
