@@ -146,6 +146,13 @@ def _validate_engine_call(model, generation_config, synced_gpus, model_kwargs):
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
             raise ValueError(f"`{flag}=True` is not supported by hf-accel's speculative decoding; drop it")
+    attention = str(getattr(model.config, "_attn_implementation", None))
+    if "flash" in attention or "paged" in attention:
+        # FlashAttention kernels take no 4D mask: a draft tree would be attended to as one causal sequence
+        raise ValueError(
+            f"attn_implementation={attention!r} takes no 4D attention mask, which tree verification needs; load the "
+            "model with attn_implementation='sdpa' or 'eager' for speculative decoding"
+        )
     forward = inspect.signature(type(model).forward).parameters  # the class's: an instance's may be wrapped
     if "position_ids" not in forward or getattr(model.config, "alibi", False):
         # Tree verification gives every node its own position; ALiBi models (Bloom, MPT, Falcon with alibi) derive

@@ -630,3 +630,17 @@ def test_a_filled_sliding_window_cache_is_refused_in_one_line():
     with pytest.raises(ValueError, match="sliding-window layer"):
         model.generate(input_ids, past_key_values=cache, max_new_tokens=8, custom_generate=custom_generate,
                        drafter=ReferenceDrafter(input_ids, tree=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["flash_attention_2", "kernels-community/flash-attn2", "paged|sdpa"])
+def test_attention_without_4d_masks_is_refused_in_one_line(tiny_llama, attention):
+    """FlashAttention (and paged) kernels ignore the tree mask: a tree would be attended to as one causal sequence."""
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=4, do_sample=False)
+    tiny_llama.config._attn_implementation = attention
+    try:
+        with pytest.raises(ValueError, match="takes no 4D attention mask"):
+            tiny_llama.generate(input_ids, max_new_tokens=4, custom_generate=custom_generate,
+                                drafter=ReferenceDrafter(reference))  # fmt: skip
+    finally:
+        tiny_llama.config._attn_implementation = "sdpa"
