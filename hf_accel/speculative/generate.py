@@ -134,10 +134,8 @@ def _validate_engine_call(model, generation_config, synced_gpus, model_kwargs):
         raise ValueError("speculative decoding does not support `synced_gpus=True`")
     # the engine runs the model on tokens, positions, the mask and the cache only: any other input `generate` would
     # pass on (a vision-language model's encoded `pixel_values`, ...) would be dropped and the text silently differ;
-    # empty ones (`mm_encoder_outputs={}` of a text-only call to such a model) change nothing
-    dropped = sorted(
-        k for k, v in model_kwargs.items() if k not in _ENGINE_MODEL_KWARGS and v is not None and not _empty(v)
-    )
+    # those of a text-only call change nothing (see `_text_only`)
+    dropped = sorted(k for k, v in model_kwargs.items() if k not in _ENGINE_MODEL_KWARGS and not _text_only(k, v))
     if dropped:
         raise ValueError(
             "hf-accel's speculative decoding runs the model on `input_ids` alone (no images or other inputs) and "
@@ -163,8 +161,13 @@ def _validate_engine_call(model, generation_config, synced_gpus, model_kwargs):
         )
 
 
-def _empty(value) -> bool:
-    return isinstance(value, (dict, list, tuple)) and len(value) == 0
+def _text_only(name: str, value) -> bool:
+    """Whether a model input says nothing beyond the tokens: none, empty (`mm_encoder_outputs={}` of a text-only call
+    to a vision-language model), or the all-zero `mm_token_type_ids` a VLM's processor returns with text alone
+    (transformers' modality types: 0 is text)."""
+    if value is None or (isinstance(value, (dict, list, tuple)) and len(value) == 0):
+        return True
+    return name == "mm_token_type_ids" and torch.is_tensor(value) and not bool(value.any())
 
 
 def _find_streamer():

@@ -306,6 +306,33 @@ def test_model_inputs_the_engine_does_not_feed_are_refused_in_one_line():
     assert torch.equal(out, reference)
 
 
+def test_text_only_modality_types_of_a_vlm_are_not_refused():
+    """A VLM's processor returns `mm_token_type_ids` with the text (0 = text, 1 = image, ...); a text-only call's are
+    all zeros, the tokens the engine feeds, so greedy output equals generate's. A real image token is still refused."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}}  # fmt: skip
+    vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 2, "spatial_merge_size": 1,
+              "temporal_patch_size": 1}  # fmt: skip
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=90, video_token_id=91,
+                           vision_start_token_id=92, vision_end_token_id=93)  # fmt: skip
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6, 7], [0, 0, 9, 10, 5, 6, 7, 8, 9]])
+    kwargs = {"input_ids": input_ids, "attention_mask": (input_ids != 0).long(), "max_new_tokens": 10}
+    types = torch.zeros_like(input_ids)
+    reference = model.generate(**kwargs, mm_token_type_ids=types, do_sample=False)
+    out = model.generate(**kwargs, mm_token_type_ids=types, custom_generate=custom_generate,
+                         drafter=ReferenceDrafter(reference))  # fmt: skip
+    assert torch.equal(out, reference)
+    types[0, 3] = 1
+    with pytest.raises(ValueError, match="would ignore `mm_token_type_ids`"):
+        model.generate(**kwargs, mm_token_type_ids=types, custom_generate=custom_generate,
+                       drafter=ReferenceDrafter(reference))  # fmt: skip
+
+
 def test_static_and_quantized_caches_are_refused_in_one_line(tiny_llama):
     input_ids = torch.tensor([[5, 6, 7, 8]])
     reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
