@@ -124,8 +124,12 @@ def _validate_call(loop: str, model, drafter, generation_config, logits_processo
         )
 
 
-# What `generate` prepares for a decoder-only model and the engine reads (or, `use_cache`, may ignore: it always caches)
-_ENGINE_MODEL_KWARGS = ("attention_mask", "past_key_values", "position_ids", "use_cache", "logits_to_keep")
+# What `generate` prepares for a decoder-only model and the engine reads (or may ignore: `use_cache`, as it always
+# caches; the output flags, which change no token and are refused below where `return_dict_in_generate` would use them)
+_ENGINE_MODEL_KWARGS = (
+    "attention_mask", "past_key_values", "position_ids", "use_cache", "logits_to_keep",
+    "output_attentions", "output_hidden_states",
+)  # fmt: skip
 
 
 def _validate_engine_call(model, generation_config, synced_gpus, model_kwargs):

@@ -333,6 +333,21 @@ def test_text_only_modality_types_of_a_vlm_are_not_refused():
                        drafter=ReferenceDrafter(reference))  # fmt: skip
 
 
+def test_output_flags_run_without_a_dict_and_are_refused_with_one(tiny_llama):
+    """`output_attentions` / `output_hidden_states` reach the callable as model inputs too; without
+    `return_dict_in_generate` plain `generate` returns the tokens alone, so they change nothing; with it, they are
+    refused as outputs the engine does not return."""
+    input_ids = torch.tensor([[5, 6, 7, 8, 5, 6]])
+    for flag in ("output_attentions", "output_hidden_states"):
+        reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False, **{flag: True})
+        out = tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate,
+                                  drafter=ReferenceDrafter(reference), **{flag: True})  # fmt: skip
+        assert torch.equal(out, reference)
+        with pytest.raises(ValueError, match=f"`{flag}=True` is not supported"):
+            tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate, return_dict_in_generate=True,
+                                drafter=ReferenceDrafter(reference), **{flag: True})  # fmt: skip
+
+
 def test_static_and_quantized_caches_are_refused_in_one_line(tiny_llama):
     input_ids = torch.tensor([[5, 6, 7, 8]])
     reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
