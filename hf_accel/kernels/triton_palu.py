@@ -13,6 +13,8 @@ Design differences with the Palu code's `_abx_fwd` (spec §3.1):
 - any head_dim (even), any rank, any number of heads, batch > 1.
 """
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,12 @@ from .reference import (
     _check_rope_shapes,
     latent_shape,
 )
+
+
+def _launch_guard(device: torch.device):
+    """Make `device` current for a launch: Triton launches on the current CUDA device, not on its inputs' (a layer on
+    `cuda:1` under `device_map="auto"` while `cuda:0` is current would fail or run on the wrong GPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -169,15 +177,16 @@ def rope_key_scores(
         packing = (1, 1, 1, 8)
     half, block_s = head_dim // 2, 64
     grid = (batch * groups, triton.cdiv(seq_len, block_s))
-    _rope_key_scores_kernel[grid](
-        query_states.contiguous(), latent, codes, scales, zeros, up_proj.contiguous(), key_positions.contiguous(),
-        inv_freq.float().contiguous(), out,
-        num_heads, num_kv_heads, q_len, seq_len, rank, width // head_dim, groups,
-        float(attention_scaling), float(scaling), *packing[:3],
-        HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_S=block_s,
-        BLOCK_R=32, BLOCK_Q=16, BITS=packing[3], QUANTIZED=quantized,
-        IEEE_K=up_proj.dtype == torch.float32, IEEE_Q=query_states.dtype == torch.float32,
-    )  # fmt: skip
+    with _launch_guard(out.device):
+        _rope_key_scores_kernel[grid](
+            query_states.contiguous(), latent, codes, scales, zeros, up_proj.contiguous(), key_positions.contiguous(),
+            inv_freq.float().contiguous(), out,
+            num_heads, num_kv_heads, q_len, seq_len, rank, width // head_dim, groups,
+            float(attention_scaling), float(scaling), *packing[:3],
+            HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_S=block_s,
+            BLOCK_R=32, BLOCK_Q=16, BITS=packing[3], QUANTIZED=quantized,
+            IEEE_K=up_proj.dtype == torch.float32, IEEE_Q=query_states.dtype == torch.float32,
+        )  # fmt: skip
     return out
 
 
@@ -221,12 +230,13 @@ def dequantize_matmul(quantized: QuantizedLatents, weight: torch.Tensor) -> torc
     w_batch_stride = groups * rank * n_out if weight.dim() == 4 and weight.shape[0] > 1 else 0
     block_s, block_n = 32, 32
     grid = (batch * groups, triton.cdiv(seq_len, block_s), triton.cdiv(n_out, block_n))
-    _dequantize_matmul_kernel[grid](
-        quantized.codes.contiguous(), quantized.scales.contiguous(), quantized.zeros.contiguous(),
-        weight.contiguous(), out,
-        groups, seq_len, rank, n_out, num_bytes, quantized.scales.shape[-1], quantized.group_size, w_batch_stride,
-        BITS=quantized.bits, BLOCK_S=block_s, BLOCK_R=32, BLOCK_N=block_n, IEEE=weight.dtype == torch.float32,
-    )  # fmt: skip
+    with _launch_guard(out.device):
+        _dequantize_matmul_kernel[grid](
+            quantized.codes.contiguous(), quantized.scales.contiguous(), quantized.zeros.contiguous(),
+            weight.contiguous(), out,
+            groups, seq_len, rank, n_out, num_bytes, quantized.scales.shape[-1], quantized.group_size, w_batch_stride,
+            BITS=quantized.bits, BLOCK_S=block_s, BLOCK_R=32, BLOCK_N=block_n, IEEE=weight.dtype == torch.float32,
+        )  # fmt: skip
     return out
 
 
@@ -285,11 +295,12 @@ def dequantize_attend(probs: torch.Tensor, quantized: QuantizedLatents) -> torch
     if partial.numel() == 0 or used_len == 0:
         return partial.sum(0)
     grid = (batch * groups, r_tiles, num_splits)
-    _dequantize_attend_kernel[grid](
-        probs.contiguous(), quantized.codes.contiguous(), quantized.scales.contiguous(), quantized.zeros.contiguous(),
-        partial,
-        groups, num_heads, q_len, used_len, seq_len, rank, num_bytes, quantized.scales.shape[-1], quantized.group_size,
-        split_len, batch * num_heads * q_len * rank,
-        BITS=quantized.bits, BLOCK_M=16, BLOCK_S=block_s, BLOCK_R=block_r, IEEE=probs.dtype == torch.float32,
-    )  # fmt: skip
+    with _launch_guard(partial.device):
+        _dequantize_attend_kernel[grid](
+            probs.contiguous(), quantized.codes.contiguous(), quantized.scales.contiguous(),
+            quantized.zeros.contiguous(), partial,
+            groups, num_heads, q_len, used_len, seq_len, rank, num_bytes, quantized.scales.shape[-1],
+            quantized.group_size, split_len, batch * num_heads * q_len * rank,
+            BITS=quantized.bits, BLOCK_M=16, BLOCK_S=block_s, BLOCK_R=block_r, IEEE=probs.dtype == torch.float32,
+        )  # fmt: skip
     return partial.sum(0)

@@ -297,3 +297,30 @@ def test_cache_fused_reads_with_triton_backend(window):
         atol=1e-5,
         rtol=1e-4,
     )
+
+
+@require_triton
+def test_triton_kernels_launch_on_their_inputs_device(monkeypatch):
+    # Triton launches on the current CUDA device: a layer on cuda:1 (device_map="auto") must make cuda:1 current
+    from hf_accel.kernels import triton_palu
+
+    guard = triton_palu._launch_guard(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    launched_on = []
+    real_guard = triton_palu._launch_guard
+    monkeypatch.setattr(triton_palu, "_launch_guard", lambda device: launched_on.append(device) or real_guard(device))
+    query, latent, up_proj, positions, inv_freq = [t.to(DEVICE) for t in _rope_inputs()]
+    quantized = _quantized(groups=1, seq_len=10, rank=12).apply(lambda t: t.to(DEVICE))
+    triton_palu.rope_key_scores(query, latent, up_proj, positions, inv_freq)
+    triton_palu.dequantize_matmul(quantized, up_proj)
+    triton_palu.dequantize_attend(torch.rand(2, 4, 1, 10, device=DEVICE).softmax(-1), quantized)
+    assert launched_on == [query.device] * 3
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not is_triton_available(), reason="needs two CUDA GPUs")
+def test_triton_rope_key_scores_on_the_second_gpu():
+    inputs = _rope_inputs(seq_len=70, rank=40)
+    expected = get_kernel("rope_key_scores", "eager")(*inputs)
+    with torch.cuda.device(0):
+        actual = get_kernel("rope_key_scores", "triton")(*[t.to("cuda:1") for t in inputs])
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
