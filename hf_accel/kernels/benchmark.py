@@ -1,6 +1,7 @@
 """Decode-attention latency of the Palu RoPE-key path against plain SDPA (spec 002 §3.1, §6.9; issue 4).
 
-One decode step (`q_len = 1`) of one attention layer, timed with CUDA events (median of `iters` runs after `warmup`):
+One decode step (`q_len = 1`) of one attention layer, timed with CUDA events (median of `iters` runs after `warmup`,
+the L2 cache overwritten before each run, as the other layers of a decode step would):
 
 - `sdpa_full`: `scaled_dot_product_attention` on an fp16 full key/value cache (the original model);
 - `sdpa_reconstructed`: keys `RoPE(H^k B^k)` and values `H^v B^v` rebuilt from the latent cache with PyTorch ops,
@@ -52,11 +53,23 @@ class PaluBenchConfig:
         return max(32, min(full, 32 * round(keep * full / 32)))
 
 
+# Larger than the L2 cache of any current GPU (50 MiB on H100 and H200)
+L2_FLUSH_BYTES = 256 * 1024**2
+
+
+def _l2_flush_buffer() -> torch.Tensor:
+    return torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+
 def _time_ms(fn, warmup: int, iters: int) -> float:
+    # The L2 cache is overwritten before every timed run, outside its events: in a real decode step the other layers
+    # evict this layer's cache, so back-to-back runs reading it from a warm L2 would favour the smaller latent cache
+    flush = _l2_flush_buffer()
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

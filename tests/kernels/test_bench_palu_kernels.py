@@ -43,3 +43,32 @@ def test_benchmarked_palu_path_equals_sdpa_on_reconstructed_states(monkeypatch):
     values = benchmark._reconstruct(x["latent_values"], x["up_v"], 16)
     expected = torch.nn.functional.scaled_dot_product_attention(x["query"], keys, values, enable_gqa=True)
     torch.testing.assert_close(out.reshape(expected.shape), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_timed_runs_start_from_a_flushed_l2_cache(monkeypatch):
+    # every timed run reads its inputs from memory, not from an L2 cache left warm by the previous run; the flush
+    # itself is queued before the start event, so it is not timed
+    calls = []
+
+    class FakeEvent:  # created in pairs: start, end
+        created = 0
+
+        def __init__(self, enable_timing):
+            self.label = ("start", "end")[FakeEvent.created % 2]
+            FakeEvent.created += 1
+
+        def record(self):
+            calls.append(self.label)
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    class FakeBuffer:
+        def zero_(self):
+            calls.append("flush")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(benchmark, "_l2_flush_buffer", lambda: FakeBuffer())
+    assert benchmark._time_ms(lambda: calls.append("fn"), warmup=2, iters=3) == 1.0
+    assert calls == ["fn"] * 2 + ["flush", "start", "fn", "end"] * 3
