@@ -422,6 +422,22 @@ class SpeculativeEngine:
         return scores.argmax(-1)
 
     # ------------------------------------------------------------------------------------------- verification pass
+    def _attention_mask(self, state, ancestors, node_valid, key_positions, drafted: bool):
+        """The pass's attention mask: the tree mask, windowed by position for sliding-window layers."""
+        if self.window is None:
+            if not drafted:
+                # No draft: exactly `generate`'s decoding step (2D mask, or none without padding/holes): same
+                # kernels, same cost, same logits as plain decoding.
+                return None if bool(state.past_mask.all()) else torch.cat([state.past_mask, node_valid], 1).long()
+            return build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype)
+        # transformers would window slot indices, which holes make differ from positions: the engine windows positions
+        # itself, in one mask for all layers or one per layer type
+        windowed = build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype, key_positions, self.window)
+        if not self.mask_per_layer_type:
+            return windowed
+        full = build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype)
+        return {"full_attention": full, "sliding_attention": windowed}
+
     def _verify(self, state, cache, tree: DraftTree | None):
         """One target pass over `root + tree` for every active row, then acceptance and cache rollback."""
         batch_size = len(state.rows)
@@ -454,31 +470,21 @@ class SpeculativeEngine:
         # committable one, the last position plain decoding reaches, so that models with a position table (GPT-2,
         # OPT) are never asked for a position past it.
         positions = tree_position_ids(depths.clamp(max=max_depth[:, None]), state.next_position)
-        # every slot's position (a hole's is masked, never read)
-        past_positions = (state.past_mask.long().cumsum(-1) - 1).clamp(min=0) + _position_offset(state)[:, None]
-        if parent.shape[1] == 1 and self.window is None:
-            # No draft: exactly `generate`'s decoding step (2D mask, or none without padding/holes): same kernels,
-            # same cost, same logits as plain decoding.
-            mask = None if bool(state.past_mask.all()) else torch.cat([state.past_mask, node_valid], 1).long()
-        else:
-            mask = build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype)
-        if self.window is not None:
-            # transformers would window slot indices, which holes make differ from positions: the engine windows
-            # positions itself, in one mask for all layers or one per layer type
+        accepts_key_positions = getattr(self.model, "_accepts_key_positions", False)
+        key_positions = None
+        if self.window is not None or accepts_key_positions:
+            # every cache slot's position, then every node's: holes make slot indices and positions differ (a hole's
+            # entry is masked, its position never read)
+            past_positions = (state.past_mask.long().cumsum(-1) - 1).clamp(min=0) + _position_offset(state)[:, None]
             key_positions = torch.cat([past_positions, positions], dim=1)
-            windowed = build_tree_attention_mask(
-                ancestors, state.past_mask, self.model.dtype, key_positions, self.window
-            )
-            mask = {"full_attention": mask, "sliding_attention": windowed} if self.mask_per_layer_type else windowed
+        mask = self._attention_mask(state, ancestors, node_valid, key_positions, drafted=parent.shape[1] > 1)
         if tree.num_aux:
             embeds = self.model.get_input_embeddings()(tree_ids)
             inputs = {"inputs_embeds": torch.cat([embeds, tree.aux_embeds.to(embeds)], dim=1)}
         else:
             inputs = {"input_ids": tree_ids}
-        if getattr(self.model, "_accepts_key_positions", False):
-            # Models that RoPE cached keys at attention time (CARE, Palu latents) get every slot's position: holes
-            # make slot indices and positions differ. A hole's entry is masked out, its position does not matter.
-            inputs["key_positions"] = torch.cat([past_positions, positions], dim=1)
+        if accepts_key_positions:  # models that RoPE cached keys at attention time (CARE, Palu latents)
+            inputs["key_positions"] = key_positions
         prefix_length = state.past_mask.shape[1]
         tic = time.perf_counter()
         outputs = self._forward(cache, attention_mask=mask, position_ids=positions, **inputs)
