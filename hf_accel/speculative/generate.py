@@ -70,6 +70,12 @@ def custom_generate(
     """
     _validate_call("custom_generate", model, drafter, generation_config, logits_processor, model_kwargs)
     _validate_engine_call(model, generation_config, synced_gpus, model_kwargs)
+    if input_ids.shape[0] > 1 and "adapter_names" in _peft_hook_arguments(model):
+        raise ValueError(
+            "PEFT's mixed-adapter batches (`adapter_names`) run with batch size 1 in speculative decoding: a row that "
+            "finishes leaves the batch, which PEFT's per-row adapter list cannot follow; generate each adapter's rows "
+            "in their own call (`set_adapter`)"
+        )
     streamer = streamer if streamer is not None else _find_streamer()
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(f"streaming supports batch size 1, got {input_ids.shape[0]}; drop `streamer=` or the batch")
@@ -163,6 +169,17 @@ def _validate_engine_call(model, generation_config, synced_gpus, model_kwargs):
             f"{type(model).__name__} takes no per-token `position_ids` (ALiBi or no positions), which tree "
             "verification needs; hf-accel's speculative decoding supports models with `position_ids`"
         )
+
+
+def _peft_hook_arguments(model) -> dict:
+    """The keyword arguments that forward pre-hooks inject into `model`'s layers: PEFT's `generate` passes a call's
+    `adapter_names` (mixed-adapter batches) and aLoRA's `alora_offsets` to its LoRA layers this way, sized to the
+    prompt's rows."""
+    injected = {}
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            injected.update(getattr(hook, "keywords", None) or {})  # PEFT's hooks are `functools.partial`s
+    return injected
 
 
 def _text_only(name: str, value) -> bool:

@@ -427,6 +427,34 @@ def test_a_peft_model_with_lora_on_the_embeddings_keeps_greedy_identity():
     assert torch.equal(out, reference)
 
 
+def _two_lora_adapters(**config):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)  # init_lora_weights=False: random B, so each adapter changes the logits
+    model = get_peft_model(make_tiny_llama(seed=3), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                init_lora_weights=False, **config))  # fmt: skip
+    model.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    return model.eval()
+
+
+def test_peft_mixed_adapter_batches_are_refused_in_one_line_beyond_one_row():
+    """PEFT's `adapter_names` reach the LoRA layers through hooks sized to the prompt's rows: once a row finished and
+    left the batch, PEFT raised "Length of `adapter_names` should be the same as the number of inputs" mid-call."""
+    model = _two_lora_adapters()
+    input_ids, attention_mask = _ragged_batch(3, seed=1)
+    kwargs = {"max_new_tokens": 10, "do_sample": False, "eos_token_id": 24, "pad_token_id": 0}
+    names = ["default", "second", "__base__"]
+    reference = model.generate(input_ids=input_ids, attention_mask=attention_mask, adapter_names=names, **kwargs)
+    with pytest.raises(ValueError, match=r"mixed-adapter batches \(`adapter_names`\) run with batch size 1"):
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, adapter_names=names, **kwargs,
+                       custom_generate=custom_generate, drafter=ReferenceDrafter(reference))  # fmt: skip
+    row = input_ids[1:2, attention_mask[1].bool()]  # one row: the adapter list never changes size
+    reference = model.generate(input_ids=row, adapter_names=["second"], **kwargs)
+    out = model.generate(input_ids=row, adapter_names=["second"], **kwargs, custom_generate=custom_generate,
+                         drafter=ReferenceDrafter(reference, tree=True))  # fmt: skip
+    assert torch.equal(out, reference)
+
+
 @pytest.mark.parametrize("peft_type", ["prompt", "prefix"])
 def test_peft_prompt_learning_is_refused_in_one_line(peft_type):
     """PEFT feeds its virtual tokens (or KV prefix) through `prepare_inputs_for_generation`, which the engine never
