@@ -122,6 +122,13 @@ def _validate_call(loop: str, model, drafter, generation_config, logits_processo
             "speculative decoding does not support PEFT prompt learning (prompt, prefix or p-tuning: its virtual "
             "tokens); adapters such as LoRA are supported"
         )
+    # aLoRA adapts only the last `offset` tokens of each forward pass (one per decoding step in `generate`): a pass
+    # over several draft tokens would score the first ones without the adapter
+    if any(offset is not None for offset in _peft_hook_arguments(model).get("alora_offsets") or ()):
+        raise ValueError(
+            "speculative decoding does not support aLoRA (PEFT's activated LoRA): it adapts only the last tokens of "
+            "each forward pass, so draft tokens verified together would be scored without the adapter"
+        )
     # drafters read tokens; transformers' assisted loop would also run its first pass on the prompt's embeddings
     # alone, without the draft, and accept drafts against the wrong logits
     if model_kwargs.get("inputs_embeds") is not None:

@@ -455,6 +455,18 @@ def test_peft_mixed_adapter_batches_are_refused_in_one_line_beyond_one_row():
     assert torch.equal(out, reference)
 
 
+def test_peft_activated_lora_is_refused_in_one_line():
+    """aLoRA adapts only the last `offset` tokens of each forward pass: a verification pass over a chain longer than
+    the offset scored its first tokens without the adapter, and both loops silently decoded other text."""
+    model = _two_lora_adapters(alora_invocation_tokens=[40, 41], task_type="CAUSAL_LM")
+    input_ids = torch.tensor([[5, 6, 7, 8, 40, 41, 9, 10]])
+    reference = model.generate(input_ids=input_ids, max_new_tokens=12, do_sample=False)
+    for loop in (custom_generate, assisted_generate):
+        with pytest.raises(ValueError, match="does not support aLoRA"):
+            model.generate(input_ids=input_ids, max_new_tokens=12, do_sample=False, custom_generate=loop,
+                           drafter=ReferenceDrafter(reference, depth=6, corrupt_every=0))  # fmt: skip
+
+
 @pytest.mark.parametrize("peft_type", ["prompt", "prefix"])
 def test_peft_prompt_learning_is_refused_in_one_line(peft_type):
     """PEFT feeds its virtual tokens (or KV prefix) through `prepare_inputs_for_generation`, which the engine never
