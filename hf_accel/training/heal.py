@@ -367,6 +367,13 @@ def _load_models(args: HealingArguments):
     from ..loading import load_model_and_tokenizer
 
     student, tokenizer = load_model_and_tokenizer(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    if getattr(student, "peft_config", None):
+        # an adapter directory loads as its base with the adapters attached: `save_pretrained` of the healed model
+        # would then write the adapters alone (full fine-tuning's weights lost) or fail (LoRA, after training)
+        raise ValueError(
+            f"the student {args.model_name_or_path!r} has PEFT adapters loaded (an adapter directory): merge them "
+            "first (merge_and_unload() of a PeftModel, then save) and heal the merged model"
+        )
     teacher = None
     if args.kd_beta > 0:
         teacher, _ = load_model_and_tokenizer(

@@ -664,3 +664,24 @@ def test_training_text_that_is_not_utf8_is_one_line_before_loading(checkpoints, 
     with pytest.raises(ValueError, match=message):  # not datasets' DatasetGenerationError, after minutes of loading
         run_healing(_args(checkpoints, tmp_path / "out", train_files=[train, str(binary)], max_steps=1))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("use_lora", [True, False])
+def test_a_student_with_peft_adapters_is_refused_before_training(checkpoints, tmp_path, use_lora):
+    # an adapter directory loads as its base with the adapters attached: LoRA healing trained, then failed in
+    # save_pretrained; full fine-tuning saved the adapters alone as the "healed" model, its trained weights lost
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"])
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    make_char_tokenizer().save_pretrained(tmp_path / "adapter")
+    args = _args(checkpoints, tmp_path / "out", model_name_or_path=str(tmp_path / "adapter"), trust_remote_code=False,
+                 use_lora=use_lora, validation_file=None, max_steps=1)  # fmt: skip
+    with pytest.raises(ValueError, match="has PEFT adapters loaded .* merge them first"):
+        run_healing(args)
+    assert (
+        not list((tmp_path / "out").glob("checkpoint-*")) and not (tmp_path / "out" / "adapter_config.json").exists()
+    )
