@@ -101,7 +101,13 @@ class HealingArguments(TrainingArguments):
             "comma-separated regular expressions searched in the full module names."
         },
     )
-    train_seq_len: int = field(default=512, metadata={"help": "Length of the packed training blocks, in tokens."})
+    train_seq_len: int = field(
+        default=512,
+        metadata={
+            "help": "Length of the packed training blocks, in tokens (documents joined by EOS; each batch of 1,000 "
+            "documents drops its tail shorter than a block)."
+        },
+    )
     dataset_name: str | None = field(
         default=None, metadata={"help": "Training dataset: Hub id, local data directory, or save_to_disk directory."}
     )
