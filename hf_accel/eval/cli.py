@@ -1,6 +1,7 @@
 """`hf-accel eval ppl` and `hf-accel bench generate`."""
 
 import argparse
+import math
 import sys
 
 from ..cli import print_json
@@ -72,8 +73,10 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     for name in ("limit", "max_new_tokens", "batch_size", "pld_tokens"):
         _positive(name.replace("_", "-"), getattr(args, name))
-    if args.temperature < 0 or args.offset < 0:
-        raise ValueError(f"--temperature and --offset must be ≥ 0, got {args.temperature} and {args.offset}")
+    if args.offset < 0:
+        raise ValueError(f"--offset must be ≥ 0, got {args.offset}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:  # NaN would run greedy, inf print no JSON
+        raise ValueError(f"--temperature must be a finite number ≥ 0, got {args.temperature}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise ValueError("--methods is empty")

@@ -77,6 +77,19 @@ def test_summarize_speedup_and_identity_by_hand():
         (["bench", "generate", "--prompts", "/no/such.jsonl"], "not found"),
         (["bench", "generate", "--prompts", "humaneval", "--methods", ","], "empty"),
         (["bench", "generate", "--prompts", "humaneval", "--offset", "-3"], "must be ≥ 0"),
+        # NaN would silently run greedy decoding, inf would print `Infinity` in the --json output
+        (
+            ["bench", "generate", "--model", "/no/such/dir", "--prompts", "humaneval", "--temperature", "nan"],
+            "must be a finite number ≥ 0",
+        ),
+        (
+            ["bench", "generate", "--model", "/no/such/dir", "--prompts", "humaneval", "--temperature", "inf"],
+            "must be a finite number ≥ 0",
+        ),
+        (
+            ["bench", "generate", "--model", "/no/such/dir", "--prompts", "humaneval", "--temperature", "-1"],
+            "must be a finite number ≥ 0",
+        ),
         # the model does not exist: the method name must be refused first
         (
             ["bench", "generate", "--model", "/no/such/dir", "--prompts", "humaneval", "--methods", "vanilla,nope"],
