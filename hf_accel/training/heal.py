@@ -16,6 +16,7 @@ Several processes (one teacher copy per process, on that process's device):
 """
 
 import json
+import math
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -149,10 +150,12 @@ class HealingArguments(TrainingArguments):
         super().__post_init__()
 
     def _validate_healing(self) -> None:
-        if self.kd_temperature <= 0:
-            raise ValueError(f"kd_temperature must be positive, got {self.kd_temperature}")
-        if self.kd_beta < 0:
-            raise ValueError(f"kd_beta must be ≥ 0, got {self.kd_beta}")
+        # written `not (x > 0)`: NaN fails every comparison, and passed `x <= 0` to make every loss NaN (or, as
+        # max_train_minutes, to never stop)
+        if not (0 < self.kd_temperature < math.inf):
+            raise ValueError(f"kd_temperature must be a finite positive number, got {self.kd_temperature}")
+        if not (0 <= self.kd_beta < math.inf):
+            raise ValueError(f"kd_beta must be a finite number ≥ 0, got {self.kd_beta}")
         if self.kd_beta > 0 and self.teacher_model_name_or_path is None:
             raise ValueError(
                 f"kd_beta={self.kd_beta} needs a teacher: pass --teacher_model_name_or_path (the original model), "
@@ -182,7 +185,7 @@ class HealingArguments(TrainingArguments):
             "validation_seq_len",
             "validation_max_tokens",
         ):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
+            if getattr(self, name) is not None and not (getattr(self, name) > 0):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("train_seq_len", "validation_seq_len"):  # one token predicts nothing
             if getattr(self, name) == 1:

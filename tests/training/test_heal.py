@@ -495,6 +495,22 @@ def test_validation_sizes_that_are_not_positive_are_refused(checkpoints, tmp_pat
         _args(checkpoints, tmp_path / "v", **{name: -5})
 
 
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        # NaN passed the `<= 0` checks: every loss was NaN, the run ended as "diverged"; a NaN budget never stopped
+        ("kd_temperature", float("nan"), "kd_temperature must be a finite positive number, got nan"),
+        ("kd_temperature", float("inf"), "kd_temperature must be a finite positive number, got inf"),
+        ("kd_beta", float("nan"), "kd_beta must be a finite number ≥ 0, got nan"),
+        ("kd_beta", float("inf"), "kd_beta must be a finite number ≥ 0, got inf"),
+        ("max_train_minutes", float("nan"), "max_train_minutes must be positive, got nan"),
+    ],
+)
+def test_nan_and_infinite_options_are_refused(checkpoints, tmp_path, option, value, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        _args(checkpoints, tmp_path / "v", **{option: value})
+
+
 @pytest.mark.parametrize("name", ["train_seq_len", "validation_seq_len"])
 def test_one_token_windows_are_refused_by_their_option_name(checkpoints, tmp_path, name):
     # a window of one token predicts nothing: this failed after the models had loaded, as "seq_len must be at least 2"
