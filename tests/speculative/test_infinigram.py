@@ -525,6 +525,25 @@ def test_the_self_distillation_cache_is_per_model_weights(tmp_path):
     assert run(other) == answers and len(cache.read_text().splitlines()) == 2
 
 
+def test_the_self_distillation_cache_is_per_dtype(tmp_path):
+    """Weights that bfloat16 holds exactly (a bfloat16 checkpoint loaded in float32) have the same values in both
+    dtypes, but not the same greedy answers: answers cached in one dtype were reused in the other."""
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters.build import model_fingerprint, self_distill
+    from tests.conftest import make_tiny_llama
+
+    full = make_tiny_llama(seed=0).to(torch.bfloat16).float()
+    half = make_tiny_llama(seed=0).to(torch.bfloat16)
+    assert model_fingerprint(full) != model_fingerprint(half)
+    prompts = [BenchPrompt(question_id="0", category="t", text="abc")]
+    self_distill(full, _CharTokenizer(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)
+    calls = []
+    generate = half.generate
+    half.generate = lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs)
+    self_distill(half, _CharTokenizer(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)
+    assert calls  # answered again in bfloat16, not taken from the float32 run
+
+
 @pytest.mark.parametrize("use_speculation", [False, True])
 def test_self_distill_pads_on_the_left_whatever_the_tokenizer_says(tmp_path, use_speculation):
     """A tokenizer as `from_pretrained` gives it (padding on the right) still gets each prompt's own greedy answer."""

@@ -7,8 +7,8 @@ the benchmark renders them (`hf_accel.eval.prompts`), generation stops at EOS or
 
 Generation is batched (prompts sorted by length to limit padding), cached and resumable: every finished answer is
 appended to `<out>/self_distill.jsonl` keyed by prompt text, model name and length cap, with a fingerprint of the
-model's weights (a directory re-saved with another model regenerates its answers, which replace the old ones), and a
-rerun skips them.
+model's weights and their dtype (a directory re-saved with another model, or the model run in another dtype,
+regenerates its answers, which replace the old ones), and a rerun skips them.
 """
 
 import hashlib
@@ -124,13 +124,15 @@ def iter_dataset_documents(
 
 
 def model_fingerprint(model) -> str:
-    """A short hash of a strided sample of every parameter: a different checkpoint saved under the same name (a
-    re-converted or fine-tuned directory) does not reuse cached answers. Parameters without data here (offloaded to
+    """A short hash of a strided sample of every parameter and its dtype: a different checkpoint saved under the same
+    name (a re-converted or fine-tuned directory), or the same one run in another dtype, does not reuse cached
+    answers. Parameters without data here (offloaded to
     `meta`) count by name and shape only."""
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            digest.update(name.encode() + str(tuple(param.shape)).encode())
+            # the dtype too: a bfloat16 checkpoint loaded in float32 has the same values, not the same answers
+            digest.update(name.encode() + str(tuple(param.shape)).encode() + str(param.dtype).encode())
             if param.device.type != "meta":
                 flat = param.detach().reshape(-1)
                 digest.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
