@@ -32,7 +32,13 @@ from ..hub import copy_remote_code, is_hf_accel_card
 from ..loading import to_checkpoint_dtype
 from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
 from .losses import compute_healing_loss
-from .monitor import PerplexityCallback, TimeBudgetCallback, plot_perplexity_curve, read_history
+from .monitor import (
+    PerplexityCallback,
+    TimeBudgetCallback,
+    plot_perplexity_curve,
+    read_history,
+    validation_settings,
+)
 
 
 logger = logging.get_logger(__name__)
@@ -402,14 +408,19 @@ def _perplexity_callback(args: HealingArguments, tokenizer, teacher, resume: boo
     text = read_eval_text(path=args.validation_file)
     seq_len = args.validation_seq_len or args.train_seq_len
     history_file = Path(args.output_dir) / HISTORY_FILE
-    reference = read_history(history_file)["reference_ppl"] if resume else None  # an old run's is not this run's
+    reference_model = args.teacher_model_name_or_path if teacher is not None else None
+    settings = validation_settings(text, seq_len, args.validation_max_tokens, reference_model)
+    previous = read_history(history_file) if resume else {}  # an old run's is not this run's
+    # nor one measured on another text, window or teacher before the resumed checkpoint
+    reference = previous.get("reference_ppl") if previous.get("validation") == settings else None
     if reference is None and teacher is not None:
         teacher = teacher.to(args.device)  # it loaded on the CPU; HealingTrainer would move it there next anyway
         reference = compute_perplexity(teacher, tokenizer, text, seq_len, args.validation_max_tokens, progress=False)
         reference = reference["ppl"]
     return PerplexityCallback(
-        tokenizer, text, args.ppl_eval_steps, history_file, seq_len, args.validation_max_tokens, reference, resume
-    )
+        tokenizer, text, args.ppl_eval_steps, history_file, seq_len, args.validation_max_tokens, reference, resume,
+        reference_model,
+    )  # fmt: skip
 
 
 def _resume_target(args: HealingArguments):

@@ -1,9 +1,12 @@
 """Validation perplexity while training, and the perplexity-vs-training-tokens plot.
 
-The history is a JSON file `{"reference_ppl": float | null, "points": [{"step", "tokens", "ppl"}, ...]}`, rewritten
-after every evaluation, so an interrupted run keeps its curve and a resumed run continues it.
+The history is a JSON file `{"validation": {...}, "reference_ppl": float | null, "points": [{"step", "tokens",
+"ppl"}, ...]}`, rewritten after every evaluation, so an interrupted run keeps its curve and a resumed run continues
+it, as long as it measures the same way: `validation` ([`validation_settings`]) names the text, window, token cap and
+reference model, and a resumed run with other ones starts a new curve.
 """
 
+import hashlib
 import json
 import os
 import time
@@ -23,6 +26,13 @@ def read_history(path: str | Path) -> dict:
     if not path.is_file():
         return {"reference_ppl": None, "points": []}
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def validation_settings(text: str, seq_len: int, max_tokens: int | None, reference_model: str | None = None) -> dict:
+    """What a history's perplexities were measured with: the validation text (a hash), the window, the token cap, and
+    the model whose perplexity is the reference line. Points or a reference measured otherwise are not reused."""
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return {"text_sha256": digest, "seq_len": seq_len, "max_tokens": max_tokens, "reference_model": reference_model}
 
 
 def plot_perplexity_curve(history: dict, path: str | Path, title: str | None = None) -> Path:
@@ -72,8 +82,9 @@ class PerplexityCallback(TrainerCallback):
         seq_len (`int`, *optional*, defaults to 512): perplexity window.
         max_tokens (`int`, *optional*): score only the first `max_tokens` tokens of `text`.
         reference_ppl (`float`, *optional*): the original model's perplexity on the same text, for the plot.
-        resume (`bool`, *optional*, defaults to `False`): continue the history file's curve (a resumed run); a new
-            run starts its own.
+        resume (`bool`, *optional*, defaults to `False`): continue the history file's curve (a resumed run) when it
+            was measured with the same [`validation_settings`]; a new run starts its own.
+        reference_model (`str`, *optional*): the model `reference_ppl` was measured on (part of the settings).
     """
 
     def __init__(
@@ -86,13 +97,15 @@ class PerplexityCallback(TrainerCallback):
         max_tokens: int | None = None,
         reference_ppl: float | None = None,
         resume: bool = False,
+        reference_model: str | None = None,
     ):
         if eval_steps <= 0:
             raise ValueError(f"eval_steps must be positive, got {eval_steps}")
         self.tokenizer, self.text, self.seq_len, self.max_tokens = tokenizer, text, seq_len, max_tokens
         self.eval_steps, self.resume = eval_steps, resume
         self.history_file = Path(history_file)
-        self.history = {"reference_ppl": reference_ppl, "points": []}
+        settings = validation_settings(text, seq_len, max_tokens, reference_model)
+        self.history = {"validation": settings, "reference_ppl": reference_ppl, "points": []}
 
     def _evaluate(self, model, state) -> None:
         was_training = model.training
@@ -115,9 +128,11 @@ class PerplexityCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
             return
-        if self.resume:  # a resumed run keeps the points measured before its checkpoint
-            previous = read_history(self.history_file)["points"]
-            self.history["points"] = [p for p in previous if p["step"] <= state.global_step]
+        previous = read_history(self.history_file) if self.resume else None
+        if previous is not None and previous.get("validation") != self.history["validation"]:
+            tqdm.write(f"{self.history_file}: measured on other validation settings; the curve starts over")
+        elif previous is not None:  # a resumed run keeps the points measured before its checkpoint
+            self.history["points"] = [p for p in previous["points"] if p["step"] <= state.global_step]
         if not self._evaluated(state.global_step):
             self._evaluate(model, state)
 

@@ -142,6 +142,30 @@ def test_resume_from_checkpoint_continues_the_run(checkpoints, lora_run):
     assert [p["step"] for p in history["points"]] == [0, 2, 4, 6]
 
 
+def test_a_resume_with_another_validation_text_starts_a_new_curve(checkpoints, tmp_path):
+    # the resumed run kept the teacher's perplexity and the points measured on the old text, and drew them on one
+    # curve with its own points (and put the old reference in its summary and card)
+    from hf_accel.eval.perplexity import compute_perplexity
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    out = tmp_path / "resumed"
+    run_healing(_args(checkpoints, out, max_steps=2, save_steps=2))
+    before = json.loads((out / "ppl_history.json").read_text())
+    other = tmp_path / "other.txt"
+    other.write_text("Completely different validation text about cats and dogs, 12345!\n" * 6)
+    result = run_healing(
+        _args(checkpoints, out, max_steps=4, resume_from_checkpoint="last", validation_file=str(other))
+    )
+    history = json.loads((out / "ppl_history.json").read_text())
+    assert [p["step"] for p in history["points"]] == [2, 4]  # not step 0, measured on the old text
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(checkpoints["teacher"])
+    reference = compute_perplexity(teacher, make_char_tokenizer(), other.read_text(), 32, 128, progress=False)["ppl"]
+    assert history["reference_ppl"] == pytest.approx(reference) != before["reference_ppl"]
+    assert result.summary["reference_ppl"] == history["reference_ppl"]
+
+
 def test_full_fine_tuning_without_teacher_changes_every_layer(checkpoints, tmp_path):
     args = _args(
         checkpoints,
