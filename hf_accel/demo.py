@@ -33,6 +33,8 @@ DEMO_PROMPTS = [
 _SHIPPED_INDEX = Path(__file__).resolve().parent / "data" / "indexes" / "smollm2-135m-chat-build"
 _PPL_TOKENS = 2048
 _PPL_SEQ_LEN = 512
+# in a cached CARE conversion: the fingerprint of the weights it was converted from
+_SOURCE_STAMP = ".demo_source_fingerprint"
 
 
 def add_cli(commands) -> None:
@@ -93,18 +95,23 @@ def care_cache_dir(name: str, kv_keep: float) -> Path:
 
 
 def _care_model(name: str, model, tokenizer, kv_keep: float):
-    """The CARE conversion of `model`, converted once and cached ([`care_cache_dir`])."""
+    """The CARE conversion of `model`, converted once and cached ([`care_cache_dir`]), and converted again when the
+    weights at `name` are not those it was converted from (a directory re-saved after fine-tuning)."""
     from .compress.care import CareConversionConfig, run_care_conversion, save_care_model
     from .loading import load_model_and_tokenizer, looks_like_local_path
+    from .speculative.drafters.build import model_fingerprint
 
     cached = care_cache_dir(name, kv_keep)
-    if not (cached / "config.json").is_file():
-        shutil.rmtree(cached, ignore_errors=True)  # the demo's own cache: what is left of it is not a checkpoint
+    source, stamp = model_fingerprint(model), cached / _SOURCE_STAMP
+    # the stamp is written after the checkpoint: a conversion killed in between is redone
+    if not (cached / "config.json").is_file() or not stamp.is_file() or stamp.read_text().strip() != source:
+        shutil.rmtree(cached, ignore_errors=True)  # the demo's own cache: what is left of it is not this model's
         config = CareConversionConfig(kv_keep=kv_keep)
         # Calibrated on the model's own generated text (the CLI default), 32 windows of 64 tokens.
         result = run_care_conversion(model, tokenizer, config, None, True, num_samples=32, seq_len=64)
         base_model = None if looks_like_local_path(name) else name  # a local model's cache gets no model card
         save_care_model(result, tokenizer, cached, base_model, overwrite=True)
+        stamp.write_text(source + "\n")
     return load_model_and_tokenizer(str(cached), trust_remote_code=True)[0], cached
 
 

@@ -205,6 +205,25 @@ def test_bench_table_columns_fit_long_method_names():
     assert row.split() == [long_name, "a-long-category-name", "10.0", "1.50x", "2.00", "yes"]
 
 
+def test_the_demo_converts_a_re_saved_model_again(tmp_path, monkeypatch):
+    # the cache was keyed by the model's path only: a directory re-saved with other weights (after fine-tuning) got
+    # the CARE conversion of the old weights, shown as this model's
+    from hf_accel.compress import care
+    from hf_accel.demo import _care_model
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
+    conversions = []
+    convert = care.run_care_conversion
+    monkeypatch.setattr(care, "run_care_conversion", lambda *a, **kw: conversions.append(1) or convert(*a, **kw))
+    name, tokenizer = str(tmp_path / "mine"), make_char_tokenizer()
+    for seed in (0, 0, 1):
+        model = make_tiny_llama(seed=seed, vocab_size=VOCAB_SIZE)
+        _care_model(name, model, tokenizer, 0.5)
+    assert len(conversions) == 2  # once for the first weights, again for the re-saved ones
+
+
 def test_the_demo_keeps_one_care_conversion_per_source_model(tmp_path, monkeypatch):
     from hf_accel.demo import care_cache_dir
 
