@@ -573,8 +573,15 @@ def _build_trainer(args: HealingArguments, resume: bool) -> tuple[HealingTrainer
 def _remove_earlier_run(output_dir) -> None:
     """Deletes what an earlier healing run wrote in `output_dir` (reached with `--overwrite_output_dir` only): its
     Trainer checkpoints (`checkpoint-N`) would be taken for this run's by `--resume_from_checkpoint last`, and its
-    adapter, curve, summary or card would be published beside this run's model. Other files stay."""
+    adapter, curve, summary or card would be published beside this run's model, and its healed checkpoint (config and
+    weights: its summary says it finished), which `from_pretrained` would load as this run's if this one is
+    interrupted. Other files stay."""
+    from ..hub import WEIGHT_PATTERNS
+
     out = Path(output_dir)
+    if (out / SUMMARY_FILE).is_file():
+        for path in [p for pattern in ("config.json", *WEIGHT_PATTERNS) for p in out.glob(pattern)]:
+            path.unlink(missing_ok=True)
     checkpoints = [p for p in out.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
     adapter = [out / ADAPTER_DIR] if (out / ADAPTER_DIR / "adapter_config.json").is_file() else []
     for path in checkpoints + adapter:

@@ -460,6 +460,23 @@ def test_a_new_run_in_a_used_directory_starts_its_own_curve(checkpoints, tmp_pat
     assert (out / "README.md").read_text() == "# my project\n"  # no card was written over it (local teacher)
 
 
+def test_an_interrupted_overwrite_leaves_no_earlier_model_to_load(checkpoints, tmp_path, monkeypatch):
+    # the earlier run's healed checkpoint stayed until this run's end: interrupted, the directory loaded as healed
+    from hf_accel.training.heal import HealingTrainer
+
+    out = tmp_path / "again"
+    run_healing(_args(checkpoints, out, max_steps=1, validation_file=None))
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HealingTrainer, "train", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_healing(_args(checkpoints, out, max_steps=1, validation_file=None, overwrite_output_dir=True))
+    assert not (out / "config.json").exists() and not list(out.glob("*.safetensors"))
+
+
 def test_a_used_directory_without_checkpoints_is_not_offered_for_resuming(checkpoints, tmp_path):
     out = tmp_path / "interrupted"
     out.mkdir()
