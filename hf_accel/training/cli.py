@@ -1,6 +1,8 @@
 """`hf-accel train heal ...`: the healing script as a subcommand (drafter training adds `train <drafter>`)."""
 
 import argparse
+import contextlib
+import sys
 
 
 def add_cli(commands) -> None:
@@ -29,7 +31,10 @@ def _run_heal(args: argparse.Namespace) -> int:
 
     parser = OneLineErrors(HealingArguments, prog="hf-accel train heal")
     (healing_args,) = parser.parse_args_into_dataclasses(args=args.unknown_args)
-    result = run_healing(healing_args)
+    # stdout carries the summary's JSON alone: the Trainer prints its logs there (`{'loss': ...}`), and so do the
+    # perplexity evaluations
+    with contextlib.redirect_stdout(sys.stderr):
+        result = run_healing(healing_args)
     if healing_args.process_index == 0:
         print_json(result.summary)
     return 0
