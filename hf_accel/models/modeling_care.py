@@ -9,10 +9,12 @@ then RoPE'd at their positions (spec A.4 Stage 5: RoPE is applied to the reconst
 up-projection can be folded into `o_proj` (`care_absorb_value`).
 
 Positions of cached keys: a caller whose cache has masked holes between slots (hf-accel's batched speculative
-decoding) passes every slot's position as `key_positions` `[B, past_len + q_len]`. Otherwise cached tokens are
-contiguous and end right before the first new token, so a cached token at index `j` of `past_len` has position
-`position_ids[:, 0] − past_len + j`; new tokens use `position_ids` as given (tree verification works). This file is
-copied into converted checkpoints and imports only from torch and transformers.
+decoding; `generate` with an attention mask that has zeros after a row's first token, e.g. a padded continuation of a
+batch) passes every slot's position as `key_positions` `[B, past_len + q_len]`: `generate` does, from the position ids
+it keeps for the whole sequence. Otherwise cached tokens are contiguous and end right before the first new token, so a
+cached token at index `j` of `past_len` has position `position_ids[:, 0] − past_len + j`; new tokens use
+`position_ids` as given (tree verification works). This file is copied into converted checkpoints and imports only
+from torch and transformers.
 """
 
 from collections.abc import Callable
@@ -46,14 +48,26 @@ def _check_dynamic_layer(cache, layer_idx: int) -> None:
 
 
 def _key_positions(position_ids, past_len: int, q_len: int, device, key_positions=None) -> torch.Tensor:
-    """Positions of all keys `[B or 1, past_len + q_len]`: the caller's `key_positions` if given (a cache with holes),
-    else inferred, the cache being contiguous up to the first new token."""
+    """Positions of all keys `[B or 1, past_len + q_len]`: the last `past_len + q_len` of the caller's `key_positions`
+    if given (a cache with holes; a sliding-window layer returns only its latest slots), else inferred, the cache
+    being contiguous up to the first new token."""
     if key_positions is not None:
-        return key_positions
+        return key_positions[:, key_positions.shape[1] - past_len - q_len :]
     if position_ids is None:
         return torch.arange(past_len + q_len, device=device)[None]
     past = position_ids[:, :1] - past_len + torch.arange(past_len, device=device)[None]  # [B, past_len]
     return torch.cat([past, position_ids], dim=-1)
+
+
+def _generation_key_positions(all_position_ids, past_key_values, position_ids):
+    """`generate`'s position ids of the whole sequence `[B, past + new]` where they cover exactly the cached tokens
+    and the new ones (`position_ids`, the slice the model gets), to pass as `key_positions`; else `None`."""
+    if past_key_values is None or all_position_ids is None or position_ids is None or all_position_ids.dim() != 2:
+        return None
+    past_len = past_key_values.get_seq_length()
+    if past_len == 0 or all_position_ids.shape[-1] != past_len + position_ids.shape[-1]:
+        return None
+    return all_position_ids
 
 
 class CareAttentionMixin:
@@ -189,6 +203,17 @@ class CareForCausalLMMixin:
         for idx, layer in enumerate(self.model.layers):
             layer.self_attn = self.care_attention_class(config, idx)  # diff with the family's ForCausalLM
         self.post_init()
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        # `generate` keeps every token's position but passes the model the new tokens' only: where the attention mask
+        # has holes after a row's first token, cached positions cannot be told from slot counts, so pass them all
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        key_positions = _generation_key_positions(
+            kwargs.get("position_ids"), inputs.get("past_key_values"), inputs.get("position_ids")
+        )
+        if key_positions is not None:
+            inputs["key_positions"] = key_positions
+        return inputs
 
 
 class CareLlamaForCausalLM(CareForCausalLMMixin, LlamaForCausalLM):

@@ -12,9 +12,12 @@ group (`k_down: D → n_g·r_k`, `v_down: D → n_g·r_v`). The cache stores onl
   `[B, H, q, r_v]` and `o_proj` maps `H·r_v → D`.
 
 Kernels come from the registry (`palu_kernel_backend`: `"eager"` plain torch, `"triton"`). Positions of cached keys:
-cached tokens are contiguous and end right before the first new token, so cached index `j` of `past_len` has position
-`position_ids[:, 0] − past_len + j` (what `generate`, left padding and tree verification with explicit positions
-give). This file is copied into converted checkpoints and imports only from torch, transformers and its siblings.
+a caller whose cache has masked holes between slots (hf-accel's batched speculative decoding; `generate` with an
+attention mask that has zeros after a row's first token) passes every slot's position as `key_positions`: `generate`
+does, from the position ids it keeps for the whole sequence. Otherwise cached tokens are contiguous and end right
+before the first new token, so cached index `j` of `past_len` has position `position_ids[:, 0] − past_len + j` (what
+left padding and tree verification with explicit positions give). This file is copied into converted checkpoints and
+imports only from torch, transformers and its siblings.
 """
 
 import importlib
@@ -53,6 +56,17 @@ def _key_positions(position_ids, past_len: int, q_len: int, batch: int, device, 
         return torch.arange(past_len + q_len, device=device)[None].expand(batch, -1)
     past = position_ids[:, :1] - past_len + torch.arange(past_len, device=device)[None]  # [B or 1, past_len]
     return torch.cat([past, position_ids], dim=-1).expand(batch, -1)
+
+
+def _generation_key_positions(all_position_ids, past_key_values, position_ids):
+    """`generate`'s position ids of the whole sequence `[B, past + new]` where they cover exactly the cached tokens
+    and the new ones (`position_ids`, the slice the model gets), to pass as `key_positions`; else `None`."""
+    if past_key_values is None or all_position_ids is None or position_ids is None or all_position_ids.dim() != 2:
+        return None
+    past_len = past_key_values.get_seq_length()
+    if past_len == 0 or all_position_ids.shape[-1] != past_len + position_ids.shape[-1]:
+        return None
+    return all_position_ids
 
 
 def _masked_softmax(scores: torch.Tensor, attention_mask, past_len: int) -> torch.Tensor:
@@ -216,6 +230,17 @@ class PaluLlamaForCausalLM(LlamaForCausalLM):
         for idx, layer in enumerate(self.model.layers):
             layer.self_attn = PaluLlamaAttention(config, idx)  # diff with LlamaForCausalLM
         self.post_init()
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        # `generate` keeps every token's position but passes the model the new tokens' only: where the attention mask
+        # has holes after a row's first token, cached positions cannot be told from slot counts, so pass them all
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        key_positions = _generation_key_positions(
+            kwargs.get("position_ids"), inputs.get("past_key_values"), inputs.get("position_ids")
+        )
+        if key_positions is not None:
+            inputs["key_positions"] = key_positions
+        return inputs
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         super().save_pretrained(save_directory, *args, **kwargs)

@@ -81,6 +81,28 @@ def test_a_prompt_shorter_than_the_full_precision_window_decodes(palu):
     assert windowed.shape == reference.shape and torch.equal(windowed, unquantized)
 
 
+@pytest.mark.parametrize("residual_length", [0, 3])
+def test_generate_with_a_hole_in_the_attention_mask_matches_the_uncached_model(palu, residual_length):
+    # zeros after a row's first token (a padded continuation of a batch): cached keys' positions are not their slot
+    # counts, generate passes them; its uncached run RoPEs every key at its position each step
+    if residual_length and not palu.config.palu_quant_bits:
+        pytest.skip("the window is part of the quantized cache")
+    ids = _ids(2, 10, seed=5)
+    mask = torch.ones_like(ids)
+    ids[0, 3:6], mask[0, 3:6] = 0, 0
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "output_logits": True}
+    palu.config.palu_residual_length = residual_length
+    try:
+        cached = palu.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+        uncached = palu.generate(
+            input_ids=ids, attention_mask=mask, return_dict_in_generate=True, use_cache=False, **kwargs
+        )
+    finally:
+        palu.config.palu_residual_length = 0
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits), atol=1e-5, rtol=0)
+
+
 def _decode_logits(model, cache, tokens, start):
     logits = []
     for i, token in enumerate(tokens):
