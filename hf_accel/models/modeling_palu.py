@@ -253,6 +253,11 @@ class PaluLlamaForCausalLM(LlamaForCausalLM):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # diff with LlamaForCausalLM: a quantized Palu model decodes into a PaluQuantizedCache
+        if self.config.palu_quant_bits and generation_config.cache_implementation == "offloaded":
+            raise ValueError(
+                "a quantized Palu model decodes into its own quantized latent cache, which does not offload to the "
+                "CPU; drop cache_implementation='offloaded'"
+            )
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("past_key_values")
         if (

@@ -273,6 +273,14 @@ def test_static_cache_is_refused_on_float_latents(palu):
         palu.generate(_ids(1, 6), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static")
 
 
+def test_an_offloaded_cache_is_refused_on_quantized_latents(palu):
+    # the quantized latent cache replaces generate's DynamicCache, and has no offloading: asking for it says so
+    if not palu.config.palu_quant_bits:
+        pytest.skip("float latents sit in transformers' own DynamicCache, which offloads (to a GPU's host)")
+    with pytest.raises(ValueError, match="does not offload"):
+        palu.generate(_ids(1, 6), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="offloaded")
+
+
 def test_conversion_keeps_the_model_dtype(tokenizer):
     model = make_tiny_llama(**TINY).to(torch.bfloat16)
     converted, _ = convert_palu(
