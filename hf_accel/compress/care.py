@@ -184,7 +184,9 @@ def care_config_from(model, k_ranks, v_ranks, absorb_value: bool = False):
     family = model_family(model)
     config_cls = getattr(configuration_care, FAMILIES[family][0])
     config_dict = model.config.to_dict()
-    for key in ("model_type", "architectures", "auto_map", "transformers_version"):
+    # the converted weights are plain floats: a source loaded from a quantized checkpoint (GGUF) must not pass its
+    # quantization_config on, or the checkpoint loads as quantized (and refuses save_pretrained)
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "quantization_config"):
         config_dict.pop(key, None)
     config_dict.update(care_k_ranks=list(k_ranks), care_v_ranks=list(v_ranks), care_absorb_value=absorb_value)
     config = config_cls.from_dict(config_dict)

@@ -329,7 +329,9 @@ def palu_config_from(model, group_size, k_ranks, v_ranks, conversion: PaluConver
     from ..models.configuration_palu import PaluLlamaConfig
 
     config_dict = model.config.to_dict()
-    for key in ("model_type", "architectures", "auto_map", "transformers_version"):
+    # the converted weights are plain floats: a source loaded from a quantized checkpoint (GGUF) must not pass its
+    # quantization_config on, or the checkpoint loads as quantized (and refuses save_pretrained)
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "quantization_config"):
         config_dict.pop(key, None)
     config_dict.update(
         palu_group_size=group_size,

@@ -213,3 +213,20 @@ def test_a_config_without_ranks_is_refused_in_one_line():
     config = CareLlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     with pytest.raises(ValueError, match="needs `care_k_ranks` and `care_v_ranks`"):
         CareLlamaForCausalLM(config)
+
+
+def test_a_quantized_sources_quantization_config_is_not_passed_on(tmp_path):
+    # a source loaded from a GGUF file carries quantization_config; the converted weights are plain floats, but the
+    # copied field made the saved checkpoint load as a GGUF-quantized model that refuses save_pretrained
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny("llama")
+    model.config.quantization_config = {"quant_method": "gguf", "gguf_file": "model.Q4_1.gguf", "dequantize": False}
+    care = convert_care(model, kv_keep=0.5, method="svd", progress=False)
+    assert getattr(care.config, "quantization_config", None) is None
+    care.save_pretrained(tmp_path / "care")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "care", trust_remote_code=True)
+    assert getattr(loaded, "hf_quantizer", None) is None
+    loaded.save_pretrained(tmp_path / "again")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(_ids()).logits, care(_ids()).logits, atol=1e-6, rtol=0)

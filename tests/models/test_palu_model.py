@@ -534,3 +534,20 @@ def test_the_checkpoint_sources_hash_ignores_line_endings(tmp_path):
     finally:
         for name in [n for n in sys.modules if n == "crlf_kernels" or n.startswith("crlf_kernels.")]:
             del sys.modules[name]
+
+
+def test_a_quantized_sources_quantization_config_is_not_passed_on(tokenizer, tmp_path):
+    # a source loaded from a GGUF file carries quantization_config; the converted weights are plain floats, but the
+    # copied field made the saved checkpoint load as a GGUF-quantized model that refuses save_pretrained
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_llama(**TINY)
+    model.config.quantization_config = {"quant_method": "gguf", "gguf_file": "model.Q4_1.gguf", "dequantize": False}
+    converted, _ = convert_palu(
+        model, tokenizer, kv_keep=0.5, group_size=2, ranks="uniform", calibration_text=CALIB_TEXT, **FAST
+    )
+    assert getattr(converted.config, "quantization_config", None) is None
+    converted.save_pretrained(tmp_path / "palu")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "palu", trust_remote_code=True)
+    assert getattr(loaded, "hf_quantizer", None) is None
+    loaded.save_pretrained(tmp_path / "again")
