@@ -198,11 +198,33 @@ def to_checkpoint_dtype(model, name_or_path):
     return model.to(dtype) if dtype is not None and dtype != model.dtype else model
 
 
+def _adapter_base_model(name_or_path) -> str | None:
+    """The `base_model_name_or_path` of a PEFT adapter (a local directory or a Hub id, as transformers finds it), else
+    `None`."""
+    import json
+
+    from transformers.utils.peft_utils import find_adapter_config_file
+
+    try:
+        adapter_config = find_adapter_config_file(str(name_or_path))
+        if adapter_config is None:
+            return None
+        with open(adapter_config, encoding="utf-8") as f:
+            base = json.load(f).get("base_model_name_or_path")
+    except (OSError, ValueError):
+        return None
+    return base if isinstance(base, str) and base else None
+
+
 def remote_code_model_type(path) -> str | None:
-    """The `model_type` of a checkpoint that ships its own modeling code (a converted CARE/Palu model), else `None`."""
+    """The `model_type` of a checkpoint that ships its own modeling code (a converted CARE/Palu model), or of the base
+    model of a PEFT adapter over one, else `None`."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     raw = _raw_config(path)  # none: from_pretrained reports it
+    base = None if raw else _adapter_base_model(path)
+    if base:  # a PEFT adapter: transformers loads its base model, with that model's code
+        raw = _raw_config(base)
     if raw.get("auto_map") and raw.get("model_type") not in CONFIG_MAPPING:
         return str(raw.get("model_type"))
     return None

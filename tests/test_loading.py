@@ -103,3 +103,21 @@ def test_a_model_directory_under_the_home_directory_loads_by_a_tilde_path(tmp_pa
     assert load_tokenizer("~/models/tiny").get_vocab() == tokenizer.get_vocab()
     with pytest.raises(ModelNotFoundError, match="is not a directory"):
         resolve_model("~/models/missing")
+
+
+def test_an_adapter_over_a_checkpoint_with_its_own_code_needs_trust_remote_code_in_one_line(tmp_path):
+    # the adapter directory holds no config.json: the check read none, and transformers then prompted for (or refused
+    # in several lines) the base model's code
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_checkpoints import make_char_tokenizer, write_tiny_remote_model
+
+    base = write_tiny_remote_model(tmp_path / "converted")
+    model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=True)
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    make_char_tokenizer().save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"\(tiny_latent\) runs code shipped with the checkpoint: pass"):
+        load_model_and_tokenizer(str(tmp_path / "adapter"))
+    model, _ = load_model_and_tokenizer(str(tmp_path / "adapter"), trust_remote_code=True)
+    assert type(model).__name__ == "TinyLatentForCausalLM" and model.peft_config
