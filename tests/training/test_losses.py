@@ -78,3 +78,18 @@ def test_gradient_flows_to_student_only():
     assert student.grad is not None and torch.isfinite(student.grad).all()
     assert student.grad[0, 1:].abs().sum() == 0  # masked and last positions get no gradient
     assert teacher.grad is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0])
+def test_a_temperature_that_is_not_positive_is_refused(temperature):
+    # τ = 0 divides the logits by zero: a NaN loss, not an error, without the check
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        compute_kd_loss(STUDENT, TEACHER, LABELS, temperature=temperature)
+
+
+def test_beta_zero_is_plain_cross_entropy_with_a_zero_kd_part():
+    # the documented contract: with beta == 0 the teacher is not consulted and `kd` is 0 (not the unscaled KL)
+    out = compute_healing_loss(STUDENT, TEACHER, LABELS, beta=0.0)
+    ce = -math.log(_softmax2(0.0, 2.0)[1])
+    assert out.loss.item() == pytest.approx(ce, rel=1e-6)
+    assert out.kd.item() == 0.0
