@@ -100,3 +100,20 @@ def test_read_eval_text_from_one_data_file(tmp_path):
     (tmp_path / "notes.xyz").write_text("x")
     with pytest.raises(ValueError, match="unknown data file type"):
         read_eval_text(dataset=str(tmp_path / "notes.xyz"))
+
+
+@pytest.mark.parametrize("skip,batch_size", [(0, 2), (3, 2), (0, 5)])
+def test_perplexity_on_ids_matches_hand_computation(skip, batch_size):
+    from hf_accel.eval.perplexity import perplexity_on_ids
+
+    model = make_tiny_llama()
+    rows = torch.randint(3, 97, (3, 9), generator=torch.Generator().manual_seed(1))
+    total, count = 0.0, 0
+    for row in rows.tolist():  # each row alone, its first `skip` predictions left out
+        logits = model(torch.tensor([row])).logits[0].double()
+        for t in range(skip, len(row) - 1):
+            total -= torch.log_softmax(logits[t], -1)[row[t + 1]].item()
+            count += 1
+    assert perplexity_on_ids(model, rows, batch_size=batch_size, skip=skip) == pytest.approx(
+        math.exp(total / count), rel=1e-5
+    )
