@@ -66,3 +66,15 @@ def test_repeated_question_ids_are_refused(tmp_path):
     with pytest.raises(ValueError, match="question_id '1' appears more than once"):
         load_prompts(path)
     assert len(load_prompts(path, limit=1)) == 1
+
+
+def test_chat_prompts_render_the_first_turn_with_the_generation_prompt(tmp_path):
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question_id": 1, "turns": ["first question", "second question"]}])
+    assert load_prompts(path, tokenizer)[0].text == "<user>first question\n<assistant>"
