@@ -268,3 +268,22 @@ def test_a_tokenizer_without_a_pad_token_pads_batches_with_eos(tmp_path):
     ]
     assert answers == alone  # each answer as if generated alone: left padding, masked
     assert tokenizer.pad_token is None and tokenizer.padding_side == "right"
+
+
+def test_trim_keeps_the_first_eos_and_drops_padding_only():
+    from hf_accel.eval.bench import _trim
+
+    eos = {2}
+    assert _trim(torch.tensor([5, 6, 2, 0, 0]), eos, pad_id=0) == [5, 6, 2]  # EOS counts as a generated token
+    assert _trim(torch.tensor([5, 2, 2, 2]), eos, pad_id=2) == [5, 2]  # padding with EOS
+    assert _trim(torch.tensor([5, 6, 0, 0]), eos, pad_id=0) == [5, 6]  # a row cut short of a longer one
+    assert _trim(torch.tensor([5, 6, 7]), eos, pad_id=None) == [5, 6, 7]
+
+
+def test_acceptance_without_engine_statistics_leaves_the_prefill_token_out():
+    from hf_accel.eval.bench import _acceptance
+
+    # 5 generated tokens in 3 forward calls: the prefill makes the first, 2 later passes make the other 4
+    assert _acceptance("pld", {}, [[1, 2, 3, 4, 5]], target_calls=3) == (4, 2)
+    # vanilla: one token per row and pass after the prefill, whatever the calls (rows of 3 and 1 tokens)
+    assert _acceptance("vanilla", {}, [[1, 2, 3], [4]], target_calls=3) == (2, 2)
