@@ -528,3 +528,19 @@ def test_a_cache_write_cut_short_leaves_no_blob_that_a_later_run_reuses(tmp_path
         assert (snapshot / name).read_bytes() == (clean / name).read_bytes()
     for blob in (tmp_path / "hub" / "models--me--idx" / "blobs").iterdir():  # no leftovers either
         assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name
+
+
+def test_auto_map_files_are_the_local_modules_only():
+    from types import SimpleNamespace
+
+    from hf_accel.hub import _auto_map_files
+
+    config = SimpleNamespace(
+        auto_map={
+            "AutoConfig": "configuration_x.XConfig",
+            "AutoModelForCausalLM": "org/other--modeling_other.OtherForCausalLM",  # code of another repository
+            "AutoTokenizer": ["tokenization_x.XTokenizer", None],
+        }
+    )
+    assert _auto_map_files(config) == {"configuration_x.py", "tokenization_x.py"}
+    assert _auto_map_files(SimpleNamespace()) == set()
