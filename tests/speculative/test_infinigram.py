@@ -352,7 +352,8 @@ def test_self_distill_resumes_after_a_truncated_last_line(tiny_llama, tmp_path):
     cache.write_text("".join(lines[:2]) + lines[2][:10])  # killed in the middle of the last line
     again = self_distill(tiny_llama, Tok(), prompts, tmp_path, max_new_tokens=4, batch_size=2, use_speculation=False)
     assert again == answers
-    assert len(cache.read_text().splitlines()) == 3
+    records = [json.loads(line) for line in cache.read_text().splitlines()]  # the cut line is gone, not glued
+    assert sorted(r["tokens"] for r in records) == sorted(answers)
     cache.write_text("".join(lines).rstrip("\n"))  # saved by hand without a final newline: every record kept
 
     class NothingToGenerate(Tok):
@@ -632,3 +633,71 @@ def test_majority_chain_ties_go_to_the_smallest_token():
     tokens, parents, weights = build_weighted_trie(conts, np.ones(3))
     chosen = select_tree_nodes(parents, [w / 3 for w in weights], 8, 0.0, chain=True)
     assert [tokens[n] for n in chosen] == [4, 2]
+
+
+# few 0: every range is narrowed token by token, never finished whole; dense 1: every range is binary-searched
+@pytest.mark.parametrize("few,dense", [(32, 2048), (0, 2048), (32, 1), (0, 1)])
+def test_a_match_reaching_the_start_of_the_stream_stops_there(tmp_path, monkeypatch, few, dense):
+    from hf_accel.speculative.drafters import index as index_module
+
+    monkeypatch.setattr(index_module, "_FEW", few)
+    monkeypatch.setattr(index_module, "_DENSE_RANGE", dense)
+    docs = [[5, 6, 7, 5, 6, 8], [6, 5, 6, 9]]  # the stream starts with 5, 6: nothing precedes that 5
+    name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(16))
+    build_index(docs, tmp_path / "idx", name, vocab_hash, vocab_size)
+    index = InfinigramIndex(tmp_path / "idx")
+    for context in ([5, 5, 6], [9, 5, 6], [6, 5, 6], [7, 5, 6], [5, 6]):
+        m, lo, hi = index.longest_suffix(context)
+        assert m == _brute_longest_suffix(docs, context), context
+        got = sorted(tuple(int(t) for t in row if t >= 0) for row in index.continuations(lo, hi, m, depth=3))
+        assert got == _brute_continuations(docs, context, m, 3), context
+
+
+def test_continuations_past_max_support_are_a_uniform_stride_of_all(small_index):
+    _, index = small_index
+    m, lo, hi = index.longest_suffix([3])
+    everything = index.continuations(lo, hi, m, depth=3, max_support=10**6)
+    for max_support in (hi - lo - 1, (hi - lo) // 2, 7):
+        stride = -(-(hi - lo) // max_support)  # the smallest stride that keeps at most max_support occurrences
+        sampled = index.continuations(lo, hi, m, depth=3, max_support=max_support)
+        assert len(sampled) <= max_support
+        np.testing.assert_array_equal(sampled, everything[::stride])
+
+
+def test_the_vocabulary_hash_covers_ids_not_only_the_token_order():
+    class Vocab:
+        def __init__(self, vocab):
+            self.vocab, self.name_or_path = vocab, "v"
+
+        def get_vocab(self):
+            return self.vocab
+
+    dense, gapped = Vocab({"a": 0, "b": 1}), Vocab({"a": 0, "b": 2})  # same tokens, same order, "b" another id
+    assert tokenizer_fingerprint(dense)[1] != tokenizer_fingerprint(gapped)[1]
+    assert tokenizer_fingerprint(gapped)[2] == 3
+
+
+def test_a_context_ending_in_an_id_outside_the_index_vocabulary_matches_nothing(small_index):
+    _, index = small_index
+    vocab_size = index.header.vocab_size
+    for last in (vocab_size, vocab_size + 1, 2**40, -1):  # a model whose embedding is wider than its tokenizer
+        assert index.longest_suffix([3, 7, last]) == (0, 0, 0)
+
+
+def test_strip_after_eos_drops_the_eos_and_what_follows():
+    from hf_accel.speculative.drafters.build import _strip_after_eos
+
+    assert _strip_after_eos([5, 6, 2, 7, 2], {2}) == [5, 6]
+    assert _strip_after_eos([5, 6, 7], {2, 9}) == [5, 6, 7]
+    assert _strip_after_eos([9, 5], {2, 9}) == []
+
+
+def test_a_new_answer_length_cap_is_not_answered_from_the_cache(tiny_llama, tmp_path):
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters.build import self_distill
+
+    tiny_llama.generation_config.eos_token_id = None  # every answer runs to its cap
+    prompts = [BenchPrompt(question_id="0", category="t", text="hello")]
+    short = self_distill(tiny_llama, _CharTokenizer(), prompts, tmp_path, max_new_tokens=3, use_speculation=False)
+    longer = self_distill(tiny_llama, _CharTokenizer(), prompts, tmp_path, max_new_tokens=6, use_speculation=False)
+    assert len(short[0]) == 3 and len(longer[0]) == 6 and longer[0][:3] == short[0]
