@@ -744,3 +744,28 @@ def test_a_student_with_peft_adapters_is_refused_before_training(checkpoints, tm
     assert (
         not list((tmp_path / "out").glob("checkpoint-*")) and not (tmp_path / "out" / "adapter_config.json").exists()
     )
+
+
+def test_packing_keeps_a_last_block_that_ends_the_stream_exactly():
+    assert pack_token_ids([[5, 6, 7, 8]], seq_len=2) == [[5, 6], [7, 8]]
+    assert pack_token_ids([[5, 6], [7]], seq_len=3, separator_id=2) == [[5, 6, 2]]
+    assert pack_token_ids([[5, 6], [7, 8]], seq_len=3, separator_id=2) == [[5, 6, 2], [7, 8, 2]]
+
+
+def test_logged_loss_parts_are_per_token_means_under_gradient_accumulation():
+    from types import SimpleNamespace
+
+    from hf_accel.training.heal import HealingTrainer
+    from hf_accel.training.losses import compute_healing_loss
+
+    student = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(0))
+    teacher = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 7, (2, 5), generator=torch.Generator().manual_seed(2))
+    # this micro-batch has 2 * 4 predictions; the accumulated batch 24: the gradient's loss is divided by 24
+    accumulated = compute_healing_loss(student, teacher, labels, num_items_in_batch=24)
+    own = compute_healing_loss(student, teacher, labels)  # divided by this micro-batch's 8
+
+    trainer = SimpleNamespace(_loss_parts={"ce": [], "kd": []})
+    HealingTrainer._record_parts(trainer, accumulated, labels, torch.tensor(24))
+    assert trainer._loss_parts["ce"][0].item() == pytest.approx(own.ce.item(), rel=1e-6)
+    assert trainer._loss_parts["kd"][0].item() == pytest.approx(own.kd.item(), rel=1e-6)
