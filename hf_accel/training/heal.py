@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments, set_seed
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
@@ -46,6 +46,7 @@ logger = logging.get_logger(__name__)
 HISTORY_FILE = "ppl_history.json"
 PLOT_FILE = "ppl_curve.png"
 SUMMARY_FILE = "healing_summary.json"
+RUN_FILE = "healing_run.json"  # in each checkpoint: the run settings a resume must keep ([`run_settings`])
 ADAPTER_DIR = "adapter"
 
 
@@ -437,6 +438,65 @@ def _resume_target(args: HealingArguments):
     return value
 
 
+# Options that decide what a checkpoint's weights and optimizer state are (the student, LoRA's shapes) or what the
+# run trains on: a resume with other values would fail deep in the Trainer's loading, or continue on other data.
+# Learning rate, steps, loss weights and validation may change on a resume.
+_RUN_SETTINGS = (
+    "model_name_or_path",
+    "use_lora",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "train_files",
+    "dataset_name",
+    "dataset_config",
+    "dataset_split",
+    "text_column",
+    "train_seq_len",
+    "max_train_blocks",
+)
+
+
+def run_settings(args: HealingArguments) -> dict:
+    """The [`_RUN_SETTINGS`] of `args`, local paths made absolute (a resume may name them otherwise)."""
+
+    def where(name):
+        return str(Path(name).expanduser().resolve()) if Path(name).expanduser().exists() else name
+
+    settings = {name: getattr(args, name) for name in _RUN_SETTINGS}
+    settings["model_name_or_path"] = where(args.model_name_or_path)
+    settings["train_files"] = [where(f) for f in args.train_files] if args.train_files else args.train_files
+    return json.loads(json.dumps(settings))  # as read back from the file
+
+
+def _check_resume_settings(args: HealingArguments, checkpoint: str) -> None:
+    """Refuses, in one line and before anything loads, a resume whose run settings differ from those `checkpoint` was
+    trained with (its `healing_run.json`; checkpoints from before the file existed are not checked)."""
+    written = Path(checkpoint) / RUN_FILE
+    if not written.is_file():
+        return
+    before, now = json.loads(written.read_text(encoding="utf-8")), run_settings(args)
+    changed = [f"{k}={before.get(k)!r}, now {now[k]!r}" for k in now if before.get(k) != now[k]]
+    if changed:
+        raise ValueError(
+            f"--resume_from_checkpoint {args.resume_from_checkpoint}: {Path(checkpoint).name} was trained with "
+            f"{'; '.join(changed)}: resume with the run's model, LoRA and data options, or start a new run "
+            "(--overwrite_output_dir)"
+        )
+
+
+class _RunSettingsCallback(TrainerCallback):
+    """Writes the run settings into every checkpoint the Trainer saves, for [`_check_resume_settings`]."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if args.should_save and folder.is_dir():
+            (folder / RUN_FILE).write_text(json.dumps(self.settings, indent=1), encoding="utf-8")
+
+
 def _last_complete_checkpoint(output_dir) -> str | None:
     """The newest `checkpoint-N` that holds a `trainer_state.json` (written last by the Trainer, so a save that was
     interrupted is skipped for the one before it)."""
@@ -553,7 +613,7 @@ def _build_trainer(args: HealingArguments, resume: bool) -> tuple[HealingTrainer
             texts, tokenizer, args.train_seq_len, args.text_column, args.max_train_blocks
         )
     callback = _perplexity_callback(args, tokenizer, teacher, resume)
-    callbacks = [callback] if callback is not None else []
+    callbacks = [_RunSettingsCallback(run_settings(args))] + ([callback] if callback is not None else [])
     if args.max_train_minutes is not None:
         callbacks.append(TimeBudgetCallback(args.max_train_minutes))
     trainer = HealingTrainer(
@@ -629,6 +689,8 @@ def run_healing(args: HealingArguments) -> HealingResult:
 
     resume_target = _resume_target(args)  # a checkpoint directory, or None
     _check_output_dir(args, resume_target)
+    if resume_target is not None:
+        _check_resume_settings(args, resume_target)
     trainer, tokenizer, callback = _build_trainer(args, resume_target is not None)
     if resume_target is None and args.should_save:  # the process that saves checkpoints (one per node if each saves)
         _remove_earlier_run(args.output_dir)

@@ -142,6 +142,32 @@ def test_resume_from_checkpoint_continues_the_run(checkpoints, lora_run):
     assert [p["step"] for p in history["points"]] == [0, 2, 4, 6]
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"lora_r": 8}, "lora_r=4, now 8"),
+        ({"use_lora": False}, "use_lora=True, now False"),
+        ({}, "model_name_or_path"),
+    ],
+)
+def test_a_resume_with_other_model_lora_or_data_settings_is_refused_in_one_line(checkpoints, tmp_path, change, named):
+    # they failed deep in the Trainer's loading: a multi-line state-dict error (lora_r), "can't find a checkpoint
+    # index" (use_lora), an optimizer group mismatch (another student)
+    out = tmp_path / "run"
+    run_healing(_args(checkpoints, out, max_steps=2, save_steps=2, validation_file=None))
+    assert json.loads((out / "checkpoint-2" / "healing_run.json").read_text())["lora_r"] == 4
+    change = change or {"model_name_or_path": str(checkpoints["teacher"])}
+    resumed = _args(checkpoints, out, max_steps=3, resume_from_checkpoint="last", validation_file=None, **change)
+    with pytest.raises(ValueError, match=f"checkpoint-2 was trained with {named}") as error:
+        run_healing(resumed)
+    assert "\n" not in str(error.value)
+    # the same options, a path named another way: resumed
+    relative = os.path.relpath(checkpoints["student"])
+    run_healing(_args(checkpoints, out, max_steps=3, resume_from_checkpoint="last", validation_file=None,
+                      model_name_or_path=relative))  # fmt: skip
+    assert json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
+
+
 def test_a_resume_with_another_validation_text_starts_a_new_curve(checkpoints, tmp_path):
     # the resumed run kept the teacher's perplexity and the points measured on the old text, and drew them on one
     # curve with its own points (and put the old reference in its summary and card)
