@@ -701,3 +701,23 @@ def test_a_new_answer_length_cap_is_not_answered_from_the_cache(tiny_llama, tmp_
     short = self_distill(tiny_llama, _CharTokenizer(), prompts, tmp_path, max_new_tokens=3, use_speculation=False)
     longer = self_distill(tiny_llama, _CharTokenizer(), prompts, tmp_path, max_new_tokens=6, use_speculation=False)
     assert len(short[0]) == 3 and len(longer[0]) == 6 and longer[0][:3] == short[0]
+
+
+def test_index_card_and_header_name_local_inputs_without_their_directories(tmp_path, capsys):
+    """The card and `header.json` are published: a text file or a `save_to_disk` dataset is named by its own name,
+    not by the absolute path it had on the machine that built the index."""
+    from datasets import Dataset
+
+    from hf_accel.cli import main
+
+    text = tmp_path / "private" / "corpus.txt"
+    text.parent.mkdir()
+    text.write_text("def add(a, b):\n    return a + b\n" * 5)
+    Dataset.from_dict({"text": ["x = 1\n", "y = 2\n"]}).save_to_disk(tmp_path / "private" / "my_ds")
+    out = tmp_path / "idx"
+    argv = ["index", "build", "--out", str(out), "--text", str(text), "--dataset", str(tmp_path / "private" / "my_ds")]
+    assert main(argv) == 0
+    card, header = (out / "README.md").read_text(), (out / "header.json").read_text()
+    for published in (card, header):
+        assert str(tmp_path) not in published
+    assert "text:corpus.txt" in card and "dataset:my_ds:train:text" in card
