@@ -288,6 +288,19 @@ def test_healing_settings_for_the_model_card(tmp_path):
     assert "`healing_kd_beta` | `0.5`" in ModelCard.load(tmp_path / "README.md").text
 
 
+def test_healing_settings_name_a_local_dataset_without_its_directories(tmp_path):
+    """The card is published: a `save_to_disk` directory is named by its own name, not the path it had here (as
+    `--train_files` are); a Hub dataset id is kept."""
+    from hf_accel.training.heal import healing_settings
+
+    (tmp_path / "private" / "my_ds").mkdir(parents=True)
+    common = {"output_dir": str(tmp_path / "out"), "teacher_model_name_or_path": "smollm2-135m", "report_to": "none"}
+    args = HealingArguments(dataset_name=str(tmp_path / "private" / "my_ds"), **common)
+    assert healing_settings(args)["healing_dataset_name"] == "my_ds"
+    args = HealingArguments(dataset_name="karpathy/tiny_shakespeare", **common)
+    assert healing_settings(args)["healing_dataset_name"] == "karpathy/tiny_shakespeare"
+
+
 def test_scripts_heal_parses_healing_arguments(capsys):
     import runpy
     from pathlib import Path
