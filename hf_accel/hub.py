@@ -32,8 +32,13 @@ HUB_CARDS_DIR = next(
     ),
     Path(__file__).resolve().parents[1] / "hub_cards",
 )
-# Trainer checkpoints (optimizer states) and logs are not part of a published artifact.
+# Trainer checkpoints (optimizer states) and logs are not part of a published artifact, nor a `git clone`'s own folder
+# (the Hub refuses any path under `.git/`, as under `.cache/`).
 DEFAULT_IGNORE_PATTERNS = (
+    ".git",
+    ".git/*",
+    "*/.git",
+    "*/.git/*",
     "checkpoint-*",
     "checkpoint-*/*",
     "runs/*",

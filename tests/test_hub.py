@@ -439,6 +439,28 @@ def test_a_re_push_keeps_weight_files_in_folders_the_artifact_does_not_write(tmp
     assert deleted == {"pytorch_model.bin", "adapter/adapter_model.bin"}
 
 
+def test_a_git_clone_of_the_repository_is_pushed_without_its_git_folder(tmp_path, monkeypatch):
+    """An artifact saved into a `git clone` of its Hub repository: the Hub client refuses any path under `.git/`
+    (the push failed with a ValueError), and the cache writer must not publish it either."""
+    from huggingface_hub import CommitOperationAdd
+
+    artifact = tmp_path / "a"
+    (artifact / ".git" / "objects").mkdir(parents=True)
+    (artifact / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (artifact / ".git" / "objects" / "ab").write_bytes(b"x")
+    (artifact / "adapter").mkdir()
+    (artifact / "adapter" / ".git").write_text("gitdir: elsewhere\n")  # a submodule's or worktree's pointer file
+    (artifact / "model.safetensors").write_bytes(b"x")
+    save_artifact(artifact, "converted-model", "org/base")
+    operations = _push_over(artifact, [], monkeypatch)
+    assert {op.path_in_repo for op in operations if isinstance(op, CommitOperationAdd)} == {
+        "README.md",
+        "model.safetensors",
+    }
+    snapshot = populate_hub_cache(artifact, "me/m", cache_dir=tmp_path / "hub")
+    assert sorted(os.listdir(snapshot)) == ["README.md", "model.safetensors"]
+
+
 def test_write_custom_generate_refuses_an_unknown_drafter(tmp_path):
     with pytest.raises(ValueError, match="unknown drafter 'nope'"):
         save_artifact(tmp_path / "a", "drafter-index", "org/base", drafter="nope")
