@@ -464,7 +464,7 @@ def save_care_model(result: CareResult, tokenizer, out_dir, base_model: str | No
             tmp,
             "converted-model",
             base_model,
-            model_name=out.name,  # not the temporary directory's
+            model_name=out.resolve().name,  # not the temporary directory's (`--out .` has no name)
             model=model,
             tokenizer=tokenizer,
             description="CARE: every layer's `k_proj`/`v_proj` is factorized into a down-projection to a latent and "

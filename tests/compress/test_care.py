@@ -228,6 +228,23 @@ def test_convert_care_cli_saves_the_source_dtype_and_a_hub_card(tmp_path, capsys
     assert "corpus.txt" in published and str(text.parent) not in published
 
 
+def test_a_care_card_written_to_out_dot_is_titled_after_the_directory(tmp_path, monkeypatch):
+    """`--out .` (an empty directory): the card's title and snippets named the temporary directory the checkpoint was
+    written in (`.my-care-tmp-XXXX`), since `Path(".").name` is empty."""
+    from huggingface_hub import ModelCard
+
+    from hf_accel.cli import main
+    from tests.tiny_checkpoints import write_tiny_llama
+
+    source = write_tiny_llama(tmp_path / "src")
+    (tmp_path / "my-care").mkdir()
+    monkeypatch.chdir(tmp_path / "my-care")
+    argv = ["convert", "care", "--model", str(source), "--kv-keep", "0.5", "--method", "svd", "--out", "."]
+    assert main(argv + ["--base-model", "org/tiny", "--json"]) == 0
+    card = ModelCard.load(tmp_path / "my-care" / "README.md")
+    assert card.data.model_name == "my-care" and "-tmp-" not in card.content
+
+
 def test_a_local_calibration_dataset_is_published_by_its_name(tmp_path):
     """`hf:` also reads a dataset saved on this machine: the card names it like a text file, without the path."""
     import datasets
