@@ -27,6 +27,7 @@ from .calibration import (
     check_calibration_source,
     collect_kv_calibration,
     load_calibration_ids,
+    published_calibration_source,
     tokenize_calibration_text,
 )
 from .export import (
@@ -652,6 +653,10 @@ def save_palu(
         keys = ("kv_keep", "group_size", "ranks", "quant_bits", "quant_group_size", "residual_length", "hadamard")
         settings = {k: info["settings"][k] for k in keys}
         settings.update(kv_keep_achieved=round(info["kv_keep_achieved"], 4), grouping=info["grouping"])
+        if info.get("calibration_source"):  # what the CLI read (`--calib`), named as CARE's card names it
+            calibration = {"source": info["calibration_source"], "num_samples": info["settings"]["calib_samples"]}
+            calibration.update(seq_len=info["settings"]["calib_seq_len"], tokens=info["calibration_tokens"])
+            settings["calibration"] = ", ".join(f"{k} {v}" for k, v in calibration.items())
         if info["settings"]["residual_length"]:  # the card's bytes per token leave out this fixed cost
             # in the checkpoint's dtype, named (the card's bytes table counts 16-bit floats)
             dtype = str(palu_model.dtype).removeprefix("torch.")
@@ -760,6 +765,7 @@ def _run_convert_palu(args) -> int:
     )
     palu = to_checkpoint_dtype(palu, source)  # converted in float32, saved like the original
     info["window_bytes_per_sequence"] = window_bytes_per_sequence(palu)  # in the saved dtype
+    info["calibration_source"] = published_calibration_source(args.calib)  # a local file by its name
     save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
     summary = {
         "model": args.model,

@@ -284,6 +284,8 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
     assert config["palu_quant_group_size"] == 2 and config["palu_residual_length"] == 4
     card = (out / "README.md").read_text()
     assert f"`window_bytes_per_sequence` | `{summary['window_bytes_per_sequence']} (float32)`" in card
+    assert "| `calibration` | `source calib.txt, num_samples 4, seq_len 32, tokens 128` |" in card  # not its path
+    assert str(tmp_path) not in card + (out / "palu_ranks.json").read_text()
     names = {p.name for p in out.iterdir()}
     assert {
         "config.json",
