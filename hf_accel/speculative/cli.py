@@ -55,6 +55,7 @@ def _run_build(args) -> int:
     if missing:
         raise FileNotFoundError(f"text file(s) not found: {', '.join(missing)}")
     from ..eval.prompts import load_prompts
+    from ..hub import published_name
 
     prompt_sets = [parse_prompt_slice(source) for source in args.self_distill]
     for name, offset, limit in prompt_sets:  # a bad slice, set name or file fails before the model loads
@@ -67,10 +68,10 @@ def _run_build(args) -> int:
     start = time.perf_counter()
     if args.text:
         documents += list(iter_text_file_documents(args.text, tokenizer))
-        sources += [f"text:{published_source(p)}" for p in args.text]
+        sources += [f"text:{published_name(p)}" for p in args.text]
     if args.dataset:
         documents += list(iter_dataset_documents(args.dataset, tokenizer, args.split, args.text_column))
-        sources.append(f"dataset:{published_source(args.dataset)}:{args.split}:{args.text_column}")
+        sources.append(f"dataset:{published_name(args.dataset)}:{args.split}:{args.text_column}")
     generation_s = 0.0
     for name, offset, limit in prompt_sets:
         prompts = load_prompts(name, tokenizer, limit=limit, offset=offset)
@@ -78,7 +79,7 @@ def _run_build(args) -> int:
         documents += self_distill(model, tokenizer, prompts, out, args.max_new_tokens, args.batch_size, args.model)
         generation_s += time.perf_counter() - tic
         sources.append(
-            f"self-distill:{published_source(name)}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}"
+            f"self-distill:{published_name(name)}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}"
         )
     prepare_s = time.perf_counter() - start
     header, build_s = build_index_from_documents(documents, tokenizer, out, sources, args.model)
@@ -121,14 +122,6 @@ def _write_card(out: str, model: str, header) -> str | None:
     settings.update({f"source {i + 1}": source for i, source in enumerate(header.sources or [])})
     save_artifact(out, "drafter-index", base_model, drafter="ngram", settings=settings)
     return str(Path(out) / "README.md")
-
-
-def published_source(name: str) -> str:
-    """How an input is named in the index's header and card, which are published: a local file or directory by its
-    own name (not the path it has on this machine), a Hub id or a built-in prompt set as given."""
-    from ..loading import looks_like_local_path
-
-    return Path(name).name if looks_like_local_path(name) else name
 
 
 def parse_prompt_slice(source: str) -> tuple[str, int, int | None]:

@@ -28,8 +28,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from ..hub import copy_remote_code, is_hf_accel_card
-from ..loading import looks_like_local_path, to_checkpoint_dtype
+from ..hub import copy_remote_code, is_hf_accel_card, published_name
+from ..loading import to_checkpoint_dtype
 from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
 from .losses import compute_healing_loss
 from .monitor import (
@@ -538,8 +538,8 @@ def healing_settings(args: HealingArguments, summary: dict | None = None) -> dic
     if args.train_files:
         settings["healing_train_files"] = ", ".join(Path(f).name for f in args.train_files)
         settings.pop("healing_dataset_split", None)  # no dataset, so no split
-    elif looks_like_local_path(args.dataset_name):  # a local dataset directory: its path is not published either
-        settings["healing_dataset_name"] = Path(args.dataset_name).name
+    elif args.dataset_name:  # a local dataset directory: its path is not published either
+        settings["healing_dataset_name"] = published_name(args.dataset_name)
     if not args.use_lora:
         for name in ("healing_lora_r", "healing_lora_alpha", "healing_lora_target_modules"):
             settings.pop(name)
