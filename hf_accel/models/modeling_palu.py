@@ -58,6 +58,7 @@ def _key_positions(position_ids, past_len: int, q_len: int, batch: int, device, 
     return torch.cat([past, position_ids], dim=-1).expand(batch, -1)
 
 
+# Same as modeling_care.py's, kept twice on purpose: each checkpoint ships only its own converter's files
 def _generation_key_positions(all_position_ids, past_key_values, position_ids):
     """`generate`'s position ids of the whole sequence `[B, past + new]` where they cover exactly the cached tokens
     and the new ones (`position_ids`, the slice the model gets), to pass as `key_positions`; else `None`."""
