@@ -30,7 +30,8 @@ class PaluLlamaConfig(LlamaConfig):
         palu_residual_length (`int`, *optional*, defaults to 0): recent tokens also kept in full precision.
         palu_hadamard (`bool`, *optional*, defaults to `False`): a Walsh–Hadamard rotation is folded into the factors
             (recorded for the model card; the runtime does not depend on it).
-        palu_kernel_backend (`str`, *optional*, defaults to `"eager"`): `"eager"` (plain torch) or `"triton"`.
+        palu_kernel_backend (`str`, *optional*, defaults to `"eager"`): `"eager"` (plain torch), `"triton"`, or
+            `"auto"` (Triton for inputs on a CUDA device when it is installed, else eager).
     """
 
     model_type = "palu_llama"
