@@ -449,12 +449,14 @@ def save_care_model(result: CareResult, tokenizer, out_dir, base_model: str | No
         if result.calibration is not None:  # its scalar descriptions (source, sizes), not cached matrices
             meta = dict(result.calibration.meta, tokens=result.calibration.tokens)
             calibration = {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, (str, int, float))}
-        write_json(tmp / "care_ranks.json", dict(summary, base_model=base_model, calibration=calibration))
         plot_ranks(tmp / "care_ranks.png", result.k_ranks, result.v_ranks, width, f"CARE ranks ({result.method})")
         settings = {"method": result.method, "kv_keep": result.kv_keep}
         settings["kv_keep_achieved"] = round(summary["kv_keep_achieved"], 4)
         settings["absorb_value"] = model.config.care_absorb_value
         settings["calibration"] = ", ".join(f"{k} {v}" for k, v in (calibration or {"none": "(plain SVD)"}).items())
+        card = {"settings": settings, "kv_bytes_per_token": kv_cache_bytes_per_token(model, 2)}  # also for the card
+        card["base_kv_bytes_per_token"] = 2 * width * len(result.k_ranks) * 2  # of a healed model ([`heal`])
+        write_json(tmp / "care_ranks.json", dict(summary, base_model=base_model, calibration=calibration, card=card))
         if base_model is None:
             model.save_pretrained(tmp)
             if tokenizer is not None:
@@ -470,9 +472,7 @@ def save_care_model(result: CareResult, tokenizer, out_dir, base_model: str | No
             description="CARE: every layer's `k_proj`/`v_proj` is factorized into a down-projection to a latent and "
             "an up-projection (covariance-weighted SVD); the KV cache stores only the latents, and keys are rebuilt "
             "and RoPE'd at attention time. A zero-shot conversion (no healing): quality is below the original.",
-            settings=settings,
-            kv_bytes_per_token=kv_cache_bytes_per_token(model, 2),
-            base_kv_bytes_per_token=2 * width * len(result.k_ranks) * 2,
+            **card,
             ranks_plot=tmp / "care_ranks.png",
             papers=[_PAPER],
         )

@@ -649,7 +649,6 @@ def save_palu(
 
     out = Path(out_dir)
     with atomic_output_dir(out, overwrite) as tmp:  # checks `out` (file, non-empty directory) first
-        (tmp / "palu_ranks.json").write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
         keys = ("kv_keep", "group_size", "ranks", "quant_bits", "quant_group_size", "residual_length", "hadamard")
         settings = {k: info["settings"][k] for k in keys}
         settings.update(kv_keep_achieved=round(info["kv_keep_achieved"], 4), grouping=info["grouping"])
@@ -661,6 +660,10 @@ def save_palu(
             # in the checkpoint's dtype, named (the card's bytes table counts 16-bit floats)
             dtype = str(palu_model.dtype).removeprefix("torch.")
             settings["window_bytes_per_sequence"] = f"{info['window_bytes_per_sequence']} ({dtype})"
+        card = {"settings": settings, "kv_bytes_per_token": info["cache_bytes_per_token"]}  # also for the card
+        card["base_kv_bytes_per_token"] = info["base_cache_bytes_per_token"]  # of a healed model ([`heal`])
+        record = json.dumps(dict(info, card=card), indent=1, default=str)
+        (tmp / "palu_ranks.json").write_text(record, encoding="utf-8")
         save_artifact(
             tmp,
             "converted-model",
@@ -670,9 +673,7 @@ def save_palu(
             tokenizer=tokenizer,
             description="Palu: grouped low-rank K/V projections; the cache stores per-group latents. "
             + info["grouping"],
-            settings=settings,
-            kv_bytes_per_token=info["cache_bytes_per_token"],
-            base_kv_bytes_per_token=info["base_cache_bytes_per_token"],
+            **card,
             papers=[_PAPER],
         )
     return out

@@ -48,6 +48,8 @@ PLOT_FILE = "ppl_curve.png"
 SUMMARY_FILE = "healing_summary.json"
 RUN_FILE = "healing_run.json"  # in each checkpoint: the run settings a resume must keep ([`run_settings`])
 ADAPTER_DIR = "adapter"
+# a converted student's record of its conversion (settings, ranks, KV bytes) and ranks plot, carried over
+CONVERSION_RECORDS = ("care_ranks.json", "care_ranks.png", "palu_ranks.json", "palu_ranks.png")
 
 
 @dataclass
@@ -548,9 +550,25 @@ def healing_settings(args: HealingArguments, summary: dict | None = None) -> dic
     return settings
 
 
-def _write_card(args: HealingArguments, summary: dict) -> None:
-    """A `converted-model` card for the healed checkpoint; the converter's settings and KV bytes are added by
-    calling `hf_accel.hub.write_model_card` again with `settings={**conversion, **healing_settings(args)}`."""
+def _carry_conversion_record(source, output_dir) -> dict:
+    """Copies a converted student's conversion record (`care_ranks.json` or `palu_ranks.json`, and its plot) from its
+    directory `source` into the healed checkpoint, and returns the card fields the record keeps (`settings`,
+    `kv_bytes_per_token`, `base_kv_bytes_per_token`, and the copied plot as `ranks_plot`; `None`s if there is none):
+    healing changes the weights, not what the cache holds."""
+    card, plot = {}, None
+    for name in CONVERSION_RECORDS:
+        if (Path(source) / name).is_file():
+            copied = shutil.copy(Path(source) / name, Path(output_dir) / name)
+            if name.endswith(".json"):
+                card = json.loads(Path(copied).read_text(encoding="utf-8")).get("card") or {}
+            else:
+                plot = copied
+    return {**card, "ranks_plot": plot}
+
+
+def _write_card(args: HealingArguments, summary: dict, conversion: dict) -> None:
+    """A `converted-model` card for the healed checkpoint: the conversion's settings and KV bytes per token (from
+    [`_carry_conversion_record`]), then the healing's."""
     from ..hub import hub_id_or_none, write_model_card
 
     base = args.teacher_model_name_or_path or args.model_name_or_path
@@ -565,8 +583,11 @@ def _write_card(args: HealingArguments, summary: dict) -> None:
         args.output_dir,
         "converted-model",
         base,
-        settings=healing_settings(args, summary),
+        settings={**conversion.get("settings", {}), **healing_settings(args, summary)},
         eval_results=results,
+        kv_bytes_per_token=conversion.get("kv_bytes_per_token"),
+        base_kv_bytes_per_token=conversion.get("base_kv_bytes_per_token"),
+        ranks_plot=conversion.get("ranks_plot"),
         description=(
             "Healed with cross-entropy plus distillation from the original model (`hf-accel train heal`)."
             if args.kd_beta > 0
@@ -648,7 +669,7 @@ def _remove_earlier_run(output_dir) -> None:
     adapter = [out / ADAPTER_DIR] if (out / ADAPTER_DIR / "adapter_config.json").is_file() else []
     for path in checkpoints + adapter:
         shutil.rmtree(path, ignore_errors=True)
-    for name in (HISTORY_FILE, PLOT_FILE, SUMMARY_FILE):
+    for name in (HISTORY_FILE, PLOT_FILE, SUMMARY_FILE, *CONVERSION_RECORDS):
         (out / name).unlink(missing_ok=True)
     if is_hf_accel_card(out / "README.md"):
         (out / "README.md").unlink(missing_ok=True)
@@ -669,7 +690,7 @@ def run_healing(args: HealingArguments) -> HealingResult:
 
     Writes, in `args.output_dir`: the healed checkpoint (with its remote code), `adapter/` (LoRA only),
     `checkpoint-*/` (Trainer checkpoints, resumable), `ppl_history.json` and `ppl_curve.png` (with a validation
-    file), and `healing_summary.json` (the summary without local paths). A run that is not a resume first deletes
+    file), `healing_summary.json` (the summary without local paths), and a converted student's conversion record. A run that is not a resume first deletes
     an earlier run's checkpoints, adapter, curve, summary and card there (`--overwrite_output_dir`).
 
     Args:
@@ -707,11 +728,12 @@ def run_healing(args: HealingArguments) -> HealingResult:
         if args.use_lora:
             _save_adapter(trained, Path(args.output_dir) / ADAPTER_DIR, args.model_name_or_path)
         merged = save_healed_model(trained, tokenizer, args.output_dir, resolve_model(args.model_name_or_path))
+        conversion = _carry_conversion_record(resolve_model(args.model_name_or_path), args.output_dir)
         if callback is not None:
             history = callback.history
             summary.update(ppl=history["points"][-1]["ppl"], reference_ppl=history["reference_ppl"])
             summary["plot"] = str(plot_perplexity_curve(history, Path(args.output_dir) / PLOT_FILE))
-        _write_card(args, summary)
+        _write_card(args, summary, conversion)
         # published with the model: no local paths (the plot lies beside it)
         written = {**summary, "plot": summary["plot"] and PLOT_FILE}
         del written["output_dir"]

@@ -808,3 +808,29 @@ def test_logged_loss_parts_are_per_token_means_under_gradient_accumulation():
     HealingTrainer._record_parts(trainer, accumulated, labels, torch.tensor(24))
     assert trainer._loss_parts["ce"][0].item() == pytest.approx(own.ce.item(), rel=1e-6)
     assert trainer._loss_parts["kd"][0].item() == pytest.approx(own.kd.item(), rel=1e-6)
+
+
+def test_a_healed_card_keeps_the_conversions_settings_kv_bytes_and_ranks_plot(checkpoints, tmp_path):
+    # the healed card was written from scratch: a healed CARE/Palu model's card lost the converter's settings and
+    # its KV bytes-per-token table, which healing does not change
+    from huggingface_hub import ModelCard
+
+    from hf_accel.cli import main
+    from hf_accel.training.heal import _carry_conversion_record, _write_card
+    from tests.tiny_checkpoints import write_tiny_llama
+
+    source = write_tiny_llama(tmp_path / "src")
+    converted = tmp_path / "care"
+    argv = ["convert", "care", "--model", str(source), "--kv-keep", "0.5", "--method", "svd", "--out", str(converted)]
+    assert main([*argv, "--base-model", "org/tiny"]) == 0
+    out = tmp_path / "healed"
+    out.mkdir()
+    conversion = _carry_conversion_record(converted, out)
+    assert {"care_ranks.json", "care_ranks.png"} <= {p.name for p in out.iterdir()}
+    args = _args(checkpoints, out, teacher_model_name_or_path="smollm2-135m", validation_file=None)
+    _write_card(args, {"ppl": None, "steps": 4, "train_tokens": 256}, conversion)
+    before, after = (ModelCard.load(d / "README.md").text for d in (converted, out))
+    rows = [line for line in before.splitlines() if line.startswith(("| `", "| this model")) and "org/" not in line]
+    assert len(rows) == 6 and all(row in after for row in rows)  # settings and bytes per token, as converted
+    assert "`healing_kd_beta` | `0.5`" in after and "care_ranks.png" in after
+    assert _carry_conversion_record(source, tmp_path / "plain") == {"ranks_plot": None}  # not converted: nothing
