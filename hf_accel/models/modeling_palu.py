@@ -14,10 +14,10 @@ group (`k_down: D → n_g·r_k`, `v_down: D → n_g·r_v`). The cache stores onl
 Kernels come from the registry (`palu_kernel_backend`: `"eager"` plain torch, `"triton"`). Positions of cached keys:
 a caller whose cache has masked holes between slots (hf-accel's batched speculative decoding; `generate` with an
 attention mask that has zeros after a row's first token) passes every slot's position as `key_positions`: `generate`
-does, from the position ids it keeps for the whole sequence. Otherwise cached tokens are contiguous and end right
-before the first new token, so cached index `j` of `past_len` has position `position_ids[:, 0] − past_len + j` (what
-left padding and tree verification with explicit positions give). This file is copied into converted checkpoints and
-imports only from torch, transformers and its siblings.
+does, from the position ids it keeps for the whole sequence (a chunked prefill: from its attention mask). Otherwise
+cached tokens are contiguous and end right before the first new token, so cached index `j` of `past_len` has position
+`position_ids[:, 0] − past_len + j` (what left padding and tree verification with explicit positions give). This file
+is copied into converted checkpoints and imports only from torch, transformers and its siblings.
 """
 
 import importlib
@@ -59,15 +59,24 @@ def _key_positions(position_ids, past_len: int, q_len: int, batch: int, device, 
 
 
 # Same as modeling_care.py's, kept twice on purpose: each checkpoint ships only its own converter's files
-def _generation_key_positions(all_position_ids, past_key_values, position_ids):
+def _generation_key_positions(all_position_ids, past_key_values, position_ids, attention_mask=None):
     """`generate`'s position ids of the whole sequence `[B, past + new]` where they cover exactly the cached tokens
-    and the new ones (`position_ids`, the slice the model gets), to pass as `key_positions`; else `None`."""
+    and the new ones (`position_ids`, the slice the model gets), to pass as `key_positions`; else `None`. A chunked
+    prefill passes the chunk's position ids only, with the 2D mask up to the chunk's end: the positions `generate`
+    derives from that mask, where they agree with the chunk's."""
     if past_key_values is None or all_position_ids is None or position_ids is None or all_position_ids.dim() != 2:
         return None
     past_len = past_key_values.get_seq_length()
-    if past_len == 0 or all_position_ids.shape[-1] != past_len + position_ids.shape[-1]:
+    if past_len == 0:
         return None
-    return all_position_ids
+    total = past_len + position_ids.shape[-1]
+    if all_position_ids.shape[-1] == total:
+        return all_position_ids
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[-1] != total:
+        return None
+    from_mask = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as `generate` derives
+    from_mask = from_mask.to(position_ids)
+    return from_mask if torch.equal(from_mask[:, past_len:], position_ids.expand_as(from_mask[:, past_len:])) else None
 
 
 def _masked_softmax(scores: torch.Tensor, attention_mask, past_len: int) -> torch.Tensor:
@@ -237,7 +246,10 @@ class PaluLlamaForCausalLM(LlamaForCausalLM):
         # has holes after a row's first token, cached positions cannot be told from slot counts, so pass them all
         inputs = super().prepare_inputs_for_generation(*args, **kwargs)
         key_positions = _generation_key_positions(
-            kwargs.get("position_ids"), inputs.get("past_key_values"), inputs.get("position_ids")
+            kwargs.get("position_ids"),
+            inputs.get("past_key_values"),
+            inputs.get("position_ids"),
+            kwargs.get("attention_mask"),
         )
         if key_positions is not None:
             inputs["key_positions"] = key_positions

@@ -129,6 +129,21 @@ def test_generate_with_a_hole_in_the_attention_mask_matches_the_uncached_model(f
     torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits), atol=1e-5, rtol=0)
 
 
+def test_chunked_prefill_with_a_hole_in_the_attention_mask_matches_the_uncached_model(family_setup):
+    # a chunked prefill gets its chunk's position ids only: the cached chunks' positions come from the mask
+    _, model, calibration = family_setup
+    care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
+    ids = _ids(seed=5, shape=(2, 10))
+    mask = torch.ones_like(ids)
+    ids[0, 3:6], mask[0, 3:6] = 0, 0
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True}
+    with torch.no_grad():
+        chunked = care.generate(ids, attention_mask=mask, return_dict_in_generate=True, prefill_chunk_size=4, **kwargs)
+        uncached = care.generate(ids, attention_mask=mask, return_dict_in_generate=True, use_cache=False, **kwargs)
+    assert torch.equal(chunked.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(uncached.logits), atol=1e-5, rtol=0)
+
+
 def _run_offline(code: str, cwd) -> str:
     """Runs `code` in a fresh Python process, offline and without this checkout on the path; returns its stdout."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")

@@ -103,6 +103,22 @@ def test_generate_with_a_hole_in_the_attention_mask_matches_the_uncached_model(p
     torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits), atol=1e-5, rtol=0)
 
 
+def test_chunked_prefill_with_a_hole_in_the_attention_mask_matches_the_uncached_model(palu):
+    # a chunked prefill gets its chunk's position ids only: the cached chunks' positions come from the mask
+    ids = _ids(2, 10, seed=5)
+    mask = torch.ones_like(ids)
+    ids[0, 3:6], mask[0, 3:6] = 0, 0
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True}
+    chunked = palu.generate(
+        input_ids=ids, attention_mask=mask, return_dict_in_generate=True, prefill_chunk_size=4, **kwargs
+    )
+    uncached = palu.generate(
+        input_ids=ids, attention_mask=mask, return_dict_in_generate=True, use_cache=False, **kwargs
+    )
+    assert torch.equal(chunked.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(uncached.logits), atol=1e-5, rtol=0)
+
+
 def _decode_logits(model, cache, tokens, start):
     logits = []
     for i, token in enumerate(tokens):
