@@ -467,6 +467,7 @@ def run_settings(args: HealingArguments) -> dict:
 
     settings = {name: getattr(args, name) for name in _RUN_SETTINGS}
     settings["model_name_or_path"] = where(args.model_name_or_path)
+    settings["dataset_name"] = where(args.dataset_name) if args.dataset_name else args.dataset_name
     settings["train_files"] = [where(f) for f in args.train_files] if args.train_files else args.train_files
     return json.loads(json.dumps(settings))  # as read back from the file
 

@@ -168,6 +168,22 @@ def test_a_resume_with_other_model_lora_or_data_settings_is_refused_in_one_line(
     assert json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
 
 
+def test_resume_settings_name_a_local_dataset_directory_by_where_it_is(tmp_path, monkeypatch):
+    # `--dataset_name ./my_ds` and the same directory named by its absolute path are one run: the resume was refused
+    from hf_accel.training.heal import run_settings
+
+    (tmp_path / "my_ds").mkdir()
+    monkeypatch.chdir(tmp_path)
+    common = {"output_dir": str(tmp_path / "out"), "model_name_or_path": "smollm2-135m", "kd_beta": 0.0}
+    common["report_to"] = "none"
+    relative = run_settings(HealingArguments(dataset_name="./my_ds", **common))
+    absolute = run_settings(HealingArguments(dataset_name=str(tmp_path / "my_ds"), **common))
+    assert relative == absolute
+    assert run_settings(HealingArguments(dataset_name="karpathy/tiny_shakespeare", **common))["dataset_name"] == (
+        "karpathy/tiny_shakespeare"
+    )
+
+
 def test_a_resume_with_another_validation_text_starts_a_new_curve(checkpoints, tmp_path):
     # the resumed run kept the teacher's perplexity and the points measured on the old text, and drew them on one
     # curve with its own points (and put the old reference in its summary and card)
