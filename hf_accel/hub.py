@@ -111,10 +111,13 @@ def hub_id_or_none(name_or_path: str) -> str | None:
 
 def published_name(name: str) -> str:
     """How an input (training text, dataset, prompt file) is named in a published card or header: a local file or
-    directory by its own name, not the path it has on this machine; a Hub id or a built-in name as given."""
+    directory by its own name, not the path it has on this machine (`.` by the working directory's); a Hub id or a
+    built-in name as given."""
     from .loading import looks_like_local_path
 
-    return Path(name).name if looks_like_local_path(name) else name
+    if not looks_like_local_path(name):
+        return name
+    return Path(os.path.abspath(os.path.expanduser(name))).name or name  # made absolute, links kept: `.` has no name
 
 
 def is_hf_accel_card(path: str | Path) -> bool:

@@ -566,3 +566,14 @@ def test_auto_map_files_are_the_local_modules_only():
     )
     assert _auto_map_files(config) == {"configuration_x.py", "tokenization_x.py"}
     assert _auto_map_files(SimpleNamespace()) == set()
+
+
+def test_published_name_names_a_local_input_by_its_own_name(tmp_path, monkeypatch):
+    # `--dataset_name .` (the data in the working directory) was published with an empty name
+    from hf_accel.hub import published_name
+
+    (tmp_path / "my_ds").mkdir()
+    monkeypatch.chdir(tmp_path / "my_ds")
+    assert published_name(".") == published_name("./") == published_name(str(tmp_path / "my_ds")) == "my_ds"
+    assert published_name("../my_ds/train.txt") == "train.txt"
+    assert published_name("karpathy/tiny_shakespeare") == "karpathy/tiny_shakespeare"
