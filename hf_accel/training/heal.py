@@ -411,7 +411,7 @@ def _perplexity_callback(args: HealingArguments, tokenizer, teacher, resume: boo
     text = read_eval_text(path=args.validation_file)
     seq_len = args.validation_seq_len or args.train_seq_len
     history_file = Path(args.output_dir) / HISTORY_FILE
-    reference_model = args.teacher_model_name_or_path if teacher is not None else None
+    reference_model = _where(args.teacher_model_name_or_path) if teacher is not None else None  # named either way
     settings = validation_settings(text, seq_len, args.validation_max_tokens, reference_model)
     previous = read_history(history_file) if resume else {}  # an old run's is not this run's
     # nor one measured on another text, window or teacher before the resumed checkpoint
@@ -459,16 +459,17 @@ _RUN_SETTINGS = (
 )
 
 
+def _where(name: str) -> str:
+    """A local path made absolute (a resume may name it otherwise); a Hub id as given."""
+    return str(Path(name).expanduser().resolve()) if Path(name).expanduser().exists() else name
+
+
 def run_settings(args: HealingArguments) -> dict:
-    """The [`_RUN_SETTINGS`] of `args`, local paths made absolute (a resume may name them otherwise)."""
-
-    def where(name):
-        return str(Path(name).expanduser().resolve()) if Path(name).expanduser().exists() else name
-
+    """The [`_RUN_SETTINGS`] of `args`, local paths made absolute ([`_where`])."""
     settings = {name: getattr(args, name) for name in _RUN_SETTINGS}
-    settings["model_name_or_path"] = where(args.model_name_or_path)
-    settings["dataset_name"] = where(args.dataset_name) if args.dataset_name else args.dataset_name
-    settings["train_files"] = [where(f) for f in args.train_files] if args.train_files else args.train_files
+    settings["model_name_or_path"] = _where(args.model_name_or_path)
+    settings["dataset_name"] = _where(args.dataset_name) if args.dataset_name else args.dataset_name
+    settings["train_files"] = [_where(f) for f in args.train_files] if args.train_files else args.train_files
     return json.loads(json.dumps(settings))  # as read back from the file
 
 

@@ -208,6 +208,20 @@ def test_a_resume_with_another_validation_text_starts_a_new_curve(checkpoints, t
     assert result.summary["reference_ppl"] == history["reference_ppl"]
 
 
+def test_a_resume_naming_the_teacher_another_way_continues_the_curve(checkpoints, tmp_path):
+    # the teacher's path is part of the validation settings: named relatively on the resume, the curve started over
+    out = tmp_path / "resumed"
+    run_healing(_args(checkpoints, out, max_steps=2, save_steps=2))
+    before = json.loads((out / "ppl_history.json").read_text())
+    relative = os.path.relpath(checkpoints["teacher"])
+    run_healing(
+        _args(checkpoints, out, max_steps=4, resume_from_checkpoint="last", teacher_model_name_or_path=relative)
+    )
+    history = json.loads((out / "ppl_history.json").read_text())
+    assert [p["step"] for p in history["points"]] == [0, 2, 4]
+    assert history["points"][:2] == before["points"] and history["reference_ppl"] == before["reference_ppl"]
+
+
 def test_full_fine_tuning_without_teacher_changes_every_layer(checkpoints, tmp_path):
     args = _args(
         checkpoints,
