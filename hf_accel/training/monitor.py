@@ -3,7 +3,8 @@
 The history is a JSON file `{"validation": {...}, "reference_ppl": float | null, "points": [{"step", "tokens",
 "ppl"}, ...]}`, rewritten after every evaluation, so an interrupted run keeps its curve and a resumed run continues
 it, as long as it measures the same way: `validation` ([`validation_settings`]) names the text, window, token cap and
-reference model, and a resumed run with other ones starts a new curve.
+reference model; a resumed run with another text, window or cap starts a new curve (another reference model only
+measures its own reference line).
 """
 
 import hashlib
@@ -33,6 +34,14 @@ def validation_settings(text: str, seq_len: int, max_tokens: int | None, referen
     the model whose perplexity is the reference line. Points or a reference measured otherwise are not reused."""
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return {"text_sha256": digest, "seq_len": seq_len, "max_tokens": max_tokens, "reference_model": reference_model}
+
+
+def same_measurement(before: dict | None, now: dict) -> bool:
+    """Whether perplexities measured with [`validation_settings`] `before` and `now` lie on one curve: the same text,
+    window and token cap. The reference model is not part of it (only the reference line depends on it)."""
+    if before is None:
+        return False
+    return {**before, "reference_model": None} == {**now, "reference_model": None}
 
 
 def plot_perplexity_curve(history: dict, path: str | Path, title: str | None = None) -> Path:
@@ -83,7 +92,7 @@ class PerplexityCallback(TrainerCallback):
         max_tokens (`int`, *optional*): score only the first `max_tokens` tokens of `text`.
         reference_ppl (`float`, *optional*): the original model's perplexity on the same text, for the plot.
         resume (`bool`, *optional*, defaults to `False`): continue the history file's curve (a resumed run) when it
-            was measured with the same [`validation_settings`]; a new run starts its own.
+            was measured the same way ([`same_measurement`]); a new run starts its own.
         reference_model (`str`, *optional*): the model `reference_ppl` was measured on (part of the settings).
     """
 
@@ -129,7 +138,7 @@ class PerplexityCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         previous = read_history(self.history_file) if self.resume else None
-        if previous is not None and previous.get("validation") != self.history["validation"]:
+        if previous is not None and not same_measurement(previous.get("validation"), self.history["validation"]):
             tqdm.write(f"{self.history_file}: measured on other validation settings; the curve starts over")
         elif previous is not None:  # a resumed run keeps the points measured before its checkpoint
             self.history["points"] = [p for p in previous["points"] if p["step"] <= state.global_step]

@@ -222,6 +222,18 @@ def test_a_resume_naming_the_teacher_another_way_continues_the_curve(checkpoints
     assert history["points"][:2] == before["points"] and history["reference_ppl"] == before["reference_ppl"]
 
 
+def test_a_resume_without_the_teacher_keeps_the_students_curve(checkpoints, tmp_path):
+    # loss weights may change on a resume: with --kd_beta 0 no teacher loads, so there is no reference line, but the
+    # student's points were measured the same way and stay (the curve started over)
+    out = tmp_path / "resumed"
+    run_healing(_args(checkpoints, out, max_steps=2, save_steps=2))
+    before = json.loads((out / "ppl_history.json").read_text())
+    run_healing(_args(checkpoints, out, max_steps=4, resume_from_checkpoint="last", kd_beta=0.0))
+    history = json.loads((out / "ppl_history.json").read_text())
+    assert [p["step"] for p in history["points"]] == [0, 2, 4] and history["points"][:2] == before["points"]
+    assert history["reference_ppl"] is None and history["validation"]["reference_model"] is None
+
+
 def test_full_fine_tuning_without_teacher_changes_every_layer(checkpoints, tmp_path):
     args = _args(
         checkpoints,
