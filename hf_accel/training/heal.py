@@ -470,6 +470,9 @@ def run_settings(args: HealingArguments) -> dict:
     settings["model_name_or_path"] = _where(args.model_name_or_path)
     settings["dataset_name"] = _where(args.dataset_name) if args.dataset_name else args.dataset_name
     settings["train_files"] = [_where(f) for f in args.train_files] if args.train_files else args.train_files
+    if not args.use_lora:  # full fine-tuning: LoRA's options shape nothing
+        for name in ("lora_r", "lora_alpha", "lora_target_modules"):
+            settings.pop(name)
     return json.loads(json.dumps(settings))  # as read back from the file
 
 

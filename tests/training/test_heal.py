@@ -184,6 +184,19 @@ def test_resume_settings_name_a_local_dataset_directory_by_where_it_is(tmp_path,
     )
 
 
+def test_resume_settings_of_full_fine_tuning_leave_the_lora_options_out(tmp_path):
+    # without LoRA its rank, alpha and targets shape nothing: a full fine-tuning resumed with another --lora_r was
+    # refused as trained with other options
+    from hf_accel.training.heal import run_settings
+
+    common = {"output_dir": str(tmp_path / "out"), "model_name_or_path": "smollm2-135m", "kd_beta": 0.0}
+    (tmp_path / "train.txt").write_text(TEXT)
+    common.update(report_to="none", train_files=[str(tmp_path / "train.txt")], use_lora=False)
+    assert run_settings(HealingArguments(**common)) == run_settings(HealingArguments(lora_r=8, **common))
+    lora = dict(common, use_lora=True)
+    assert run_settings(HealingArguments(**lora)) != run_settings(HealingArguments(lora_r=8, **lora))
+
+
 def test_a_resume_with_another_validation_text_starts_a_new_curve(checkpoints, tmp_path):
     # the resumed run kept the teacher's perplexity and the points measured on the old text, and drew them on one
     # curve with its own points (and put the old reference in its summary and card)
