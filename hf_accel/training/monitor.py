@@ -31,8 +31,11 @@ def read_history(path: str | Path) -> dict:
 
 def validation_settings(text: str, seq_len: int, max_tokens: int | None, reference_model: str | None = None) -> dict:
     """What a history's perplexities were measured with: the validation text (a hash), the window, the token cap, and
-    the model whose perplexity is the reference line. Points or a reference measured otherwise are not reused."""
+    the model whose perplexity is the reference line (a local one, an absolute path, by a hash: the history is
+    published with the model). Points or a reference measured otherwise are not reused."""
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    if reference_model is not None and os.path.isabs(reference_model):
+        reference_model = "local:" + hashlib.sha256(reference_model.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return {"text_sha256": digest, "seq_len": seq_len, "max_tokens": max_tokens, "reference_model": reference_model}
 
 

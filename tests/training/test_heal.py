@@ -140,6 +140,9 @@ def test_resume_from_checkpoint_continues_the_run(checkpoints, lora_run):
     assert steps == [1, 2, 3, 4, 5, 6]
     history = json.loads((output_dir / "ppl_history.json").read_text())
     assert [p["step"] for p in history["points"]] == [0, 2, 4, 6]
+    # published with the model: the local teacher is named by a hash, not its path
+    assert history["validation"]["reference_model"].startswith("local:")
+    assert str(checkpoints["root"]) not in (output_dir / "ppl_history.json").read_text()
 
 
 @pytest.mark.parametrize(
