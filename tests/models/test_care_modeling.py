@@ -113,9 +113,10 @@ def test_batched_left_padded_generate_matches_single_rows(family_setup):
     assert torch.equal(batched[1, 4:], single_short[0])
 
 
-def test_generate_with_a_hole_in_the_attention_mask_matches_the_uncached_model(family_setup):
+@pytest.mark.parametrize("chunk", [{}, {"prefill_chunk_size": 4}], ids=["prefill", "chunked-prefill"])
+def test_generate_with_a_hole_in_the_attention_mask_matches_the_uncached_model(family_setup, chunk):
     # zeros after a row's first token (a padded continuation of a batch): cached keys' positions are not their slot
-    # counts, generate passes them; its uncached run RoPEs every key at its position each step
+    # counts, generate passes them (a chunked prefill: from the mask); its uncached run RoPEs every key at its position
     _, model, calibration = family_setup
     care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
     ids = _ids(seed=5, shape=(2, 10))
@@ -123,25 +124,10 @@ def test_generate_with_a_hole_in_the_attention_mask_matches_the_uncached_model(f
     ids[0, 3:6], mask[0, 3:6] = 0, 0
     kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "output_logits": True}
     with torch.no_grad():
-        cached = care.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+        cached = care.generate(ids, attention_mask=mask, return_dict_in_generate=True, **chunk, **kwargs)
         uncached = care.generate(ids, attention_mask=mask, return_dict_in_generate=True, use_cache=False, **kwargs)
     assert torch.equal(cached.sequences, uncached.sequences)
     torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits), atol=1e-5, rtol=0)
-
-
-def test_chunked_prefill_with_a_hole_in_the_attention_mask_matches_the_uncached_model(family_setup):
-    # a chunked prefill gets its chunk's position ids only: the cached chunks' positions come from the mask
-    _, model, calibration = family_setup
-    care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
-    ids = _ids(seed=5, shape=(2, 10))
-    mask = torch.ones_like(ids)
-    ids[0, 3:6], mask[0, 3:6] = 0, 0
-    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "output_logits": True}
-    with torch.no_grad():
-        chunked = care.generate(ids, attention_mask=mask, return_dict_in_generate=True, prefill_chunk_size=4, **kwargs)
-        uncached = care.generate(ids, attention_mask=mask, return_dict_in_generate=True, use_cache=False, **kwargs)
-    assert torch.equal(chunked.sequences, uncached.sequences)
-    torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(uncached.logits), atol=1e-5, rtol=0)
 
 
 def _run_offline(code: str, cwd) -> str:
