@@ -267,13 +267,16 @@ def check_calibration_source(source: str) -> None:
 
 def published_calibration_source(source: str | None) -> str | None:
     """How a calibration source is named in a published card: a local text file, data file or saved dataset by its
-    file name (`hf:/home/me/corpus` -> `hf:corpus`), not the machine's path; `generated` and Hub ids as given."""
+    file name (`hf:/home/me/corpus` -> `hf:corpus`), not the machine's path ([`~hf_accel.hub.published_name`]);
+    `generated` and Hub ids as given."""
+    from ..hub import published_name
+
     if source in (None, "generated"):
         return source
     if not source.startswith("hf:"):
-        return os.path.basename(os.path.normpath(source))
+        return published_name(source)
     name, sep, config = source[3:].partition(":")
-    return "hf:" + (os.path.basename(os.path.normpath(name)) if os.path.exists(name) else name) + sep + config
+    return "hf:" + published_name(name) + sep + config
 
 
 def load_calibration_ids(
