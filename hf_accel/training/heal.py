@@ -732,8 +732,9 @@ def run_healing(args: HealingArguments) -> HealingResult:
         _check_finite(trained)  # before the adapter is written: a diverged run leaves no weights to publish
         if args.use_lora:
             _save_adapter(trained, Path(args.output_dir) / ADAPTER_DIR, args.model_name_or_path)
-        merged = save_healed_model(trained, tokenizer, args.output_dir, resolve_model(args.model_name_or_path))
-        conversion = _carry_conversion_record(resolve_model(args.model_name_or_path), args.output_dir)
+        student = resolve_model(args.model_name_or_path)
+        merged = save_healed_model(trained, tokenizer, args.output_dir, student)
+        conversion = _carry_conversion_record(student, args.output_dir)
         if callback is not None:
             history = callback.history
             summary.update(ppl=history["points"][-1]["ppl"], reference_ppl=history["reference_ppl"])
