@@ -68,14 +68,8 @@ def custom_generate(
     >>> out = model.generate(**inputs, custom_generate=custom_generate, drafter=drafter, max_new_tokens=32)
     ```
     """
-    _validate_call("custom_generate", model, drafter, generation_config, logits_processor, model_kwargs)
+    _validate_call("custom_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
     _validate_engine_call(model, generation_config, synced_gpus, model_kwargs)
-    if input_ids.shape[0] > 1 and "adapter_names" in _peft_hook_arguments(model):
-        raise ValueError(
-            "PEFT's mixed-adapter batches (`adapter_names`) run with batch size 1 in speculative decoding: a row that "
-            "finishes leaves the batch, which PEFT's per-row adapter list cannot follow; generate each adapter's rows "
-            "in their own call (`set_adapter`)"
-        )
     streamer = streamer if streamer is not None else _find_streamer()
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(f"streaming supports batch size 1, got {input_ids.shape[0]}; drop `streamer=` or the batch")
@@ -95,7 +89,7 @@ def custom_generate(
     return sequences
 
 
-def _validate_call(loop: str, model, drafter, generation_config, logits_processor, model_kwargs):
+def _validate_call(loop: str, model, drafter, generation_config, logits_processor, model_kwargs, input_ids):
     """What both loops refuse, in one line each."""
     if not callable(getattr(drafter, "propose", None)):  # a name such as "ngram" is built with `build_drafter` first
         got = "none" if drafter is None else f"{type(drafter).__name__} {drafter!r}"[:80]
@@ -124,10 +118,17 @@ def _validate_call(loop: str, model, drafter, generation_config, logits_processo
         )
     # aLoRA adapts only the last `offset` tokens of each forward pass (one per decoding step in `generate`): a pass
     # over several draft tokens would score the first ones without the adapter
-    if any(offset is not None for offset in _peft_hook_arguments(model).get("alora_offsets") or ()):
+    hooked = _peft_hook_arguments(model)
+    if any(offset is not None for offset in hooked.get("alora_offsets") or ()):
         raise ValueError(
             "speculative decoding does not support aLoRA (PEFT's activated LoRA): it adapts only the last tokens of "
             "each forward pass, so draft tokens verified together would be scored without the adapter"
+        )
+    if input_ids.shape[0] > 1 and "adapter_names" in hooked:
+        raise ValueError(
+            "PEFT's mixed-adapter batches (`adapter_names`) run with batch size 1 in speculative decoding: a row that "
+            "finishes leaves the batch, which PEFT's per-row adapter list cannot follow; generate each adapter's rows "
+            "in their own call (`set_adapter`)"
         )
     # drafters read tokens; transformers' assisted loop would also run its first pass on the prompt's embeddings
     # alone, without the draft, and accept drafts against the wrong logits
@@ -296,7 +297,7 @@ def assisted_generate(
     streamer=None, drafter=None, **model_kwargs,
 ):  # fmt: skip
     """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`])."""
-    _validate_call("assisted_generate", model, drafter, generation_config, logits_processor, model_kwargs)
+    _validate_call("assisted_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
     streamer = streamer if streamer is not None else _find_streamer()
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)
