@@ -567,3 +567,43 @@ def test_a_quantized_sources_quantization_config_is_not_passed_on(tokenizer, tmp
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "palu", trust_remote_code=True)
     assert getattr(loaded, "hf_quantizer", None) is None
     loaded.save_pretrained(tmp_path / "again")
+
+
+require_cuda_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() or not is_triton_available(), reason="needs a CUDA GPU and triton"
+)
+
+
+def _logits_and_greedy(model, backend, ids):
+    model.config.palu_kernel_backend = backend
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    return logits, model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+@require_cuda_triton
+def test_triton_backend_on_a_gpu_matches_eager(palu):
+    import copy
+
+    model, ids = copy.deepcopy(palu).cuda(), _ids(2, 12).cuda()
+    eager_logits, eager_tokens = _logits_and_greedy(model, "eager", ids)
+    triton_logits, triton_tokens = _logits_and_greedy(model, "triton", ids)
+    torch.testing.assert_close(triton_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(triton_tokens, eager_tokens)
+
+
+@require_cuda_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_backend_in_half_precision_is_as_accurate_as_eager(palu, dtype):
+    # half weights round everywhere (projections, latents, scales): the Triton kernels must add no error of their
+    # own beyond that, measured against the float32 model
+    import copy
+
+    ids = _ids(2, 12).cuda()
+    reference, _ = _logits_and_greedy(copy.deepcopy(palu).cuda(), "eager", ids)
+    model = copy.deepcopy(palu).to("cuda", dtype)
+    errors = {
+        backend: (_logits_and_greedy(model, backend, ids)[0] - reference).abs().max()
+        for backend in ("eager", "triton")
+    }
+    assert errors["triton"] <= 1.5 * errors["eager"] + 1e-3 * reference.abs().max(), errors

@@ -27,7 +27,7 @@ def _ragged_batch(vocab_size: int, rows: int = 2):
 
 
 def _assert_speculative_identical(model, rows: int = 2):
-    inputs = _ragged_batch(model.config.vocab_size, rows)
+    inputs = {name: t.to(model.device) for name, t in _ragged_batch(model.config.vocab_size, rows).items()}
     kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
     reference = model.generate(**inputs, **kwargs)
     drafter = build_drafter("ngram", None, model, tokenizer=None)
@@ -135,3 +135,15 @@ def test_a_windowed_palu_model_in_long_ragged_speculation_and_transformers_promp
         prompt = torch.cat([_vocab_ragged_batch(1, 10, seed)[0]] * 2, dim=1)
         kwargs = {"input_ids": prompt, "max_new_tokens": 25, "do_sample": False, "pad_token_id": 0}
         assert torch.equal(palu.generate(**kwargs, prompt_lookup_num_tokens=5), palu.generate(**kwargs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_palu_quantized_cache_under_the_engine_on_a_gpu(backend):
+    # the Triton kernels read the packed latents of a verification pass (tree rows, masked holes) on the GPU
+    if backend == "triton":
+        pytest.importorskip("triton")
+    palu = _tiny_palu(residual_length=4).cuda()
+    palu.config.palu_kernel_backend = backend
+    _assert_speculative_identical(palu, rows=1)
+    _assert_speculative_identical(palu, rows=2)

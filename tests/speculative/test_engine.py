@@ -726,3 +726,18 @@ def test_attention_without_4d_masks_is_refused_in_one_line(tiny_llama, attention
                                 drafter=ReferenceDrafter(reference))  # fmt: skip
     finally:
         tiny_llama.config._attn_implementation = "sdpa"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_identity_on_a_gpu(tree):
+    # float32 on CUDA: the verification pass (SDPA with a tree mask over many tokens) and one-token decoding run other
+    # kernels, whose sums round differently; the tiny model's greedy margins are far above that
+    from hf_accel.speculative.drafters import build_drafter
+
+    model = make_tiny_llama().cuda()
+    input_ids, attention_mask = (t.cuda() for t in _ragged_batch(4))
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 24, "do_sample": False}
+    reference = model.generate(**kwargs)
+    for drafter in (ReferenceDrafter(reference, depth=5, tree=tree), build_drafter("ngram", None, model, None)):
+        assert torch.equal(model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
