@@ -721,3 +721,21 @@ def test_index_card_and_header_name_local_inputs_without_their_directories(tmp_p
     for published in (card, header):
         assert str(tmp_path) not in published
     assert "text:corpus.txt" in card and "dataset:my_ds:train:text" in card
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_a_unanimous_continuation_passes_a_threshold_of_one(tmp_path, tree):
+    """With no prior, a node every occurrence passes through is the ∞-gram's certainty, score exactly 1: splitting a
+    vote into `n` shares and adding them back gave 0.9999999999999999 for some `n` (12, 14, 18, ... occurrences in the
+    index; in the context, 38, 41, 45 repeats: the matches longer than `max_match` form one group), and nothing was
+    drafted at `threshold=1`."""
+    config = InfinigramConfig(threshold=1.0, prior=0.0, max_context_occurrences=100, tree=tree, calibrate=False)
+    for n in (38, 41, 45):
+        tokens, _, scores = InfinigramDrafter(None, config=config).draft_row(np.array([1, 2] * n + [1]), 1, 8)
+        assert tokens == [2] and scores == [1.0], n
+    name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(10))
+    for n in (12, 14, 18):
+        build_index([[3, 4, 5]] * n, tmp_path / str(n), name, vocab_hash, vocab_size)
+        config = InfinigramConfig(threshold=1.0, prior=0.0, use_context=False, tree=tree, calibrate=False)
+        drafter = InfinigramDrafter(tmp_path / str(n), config=config)
+        assert drafter.draft_row(np.array([3]), 2, 8) == ([4, 5], [-1, 0], [1.0, 1.0]), n

@@ -277,18 +277,19 @@ class InfinigramDrafter:
         if not groups:
             return [], [], []
         cfg = self.config
-        total = cfg.prior
         weights = []
         for length, is_context, conts in groups:
             # Group vote: longer matches and more occurrences weigh more; split evenly among the occurrences.
             vote = math.exp(cfg.alpha * min(length, cfg.match_cap)) * len(conts) / (len(conts) + cfg.support_prior)
             vote *= cfg.context_weight if is_context else 1.0
-            total += vote
             weights.append(np.full(len(conts), vote / len(conts)))
+        weights = np.concatenate(weights)
+        # The shares added back up as the trie adds a node's (`np.bincount`, in row order), not the votes: `n` shares
+        # of `v / n` do not always add up to `v`, and with no prior a node that every occurrence passes through must
+        # score exactly 1 (the ∞-gram's certainty), or `threshold=1` drafts nothing.
+        total = cfg.prior + float(np.bincount(np.zeros(len(weights), np.int64), weights=weights)[0])
         continuations = np.concatenate([conts for _, _, conts in groups])
-        tokens, parents, node_weights = build_weighted_trie(
-            continuations, np.concatenate(weights), min_weight=cfg.threshold * total
-        )
+        tokens, parents, node_weights = build_weighted_trie(continuations, weights, min_weight=cfg.threshold * total)
         scores = [w / total for w in node_weights]
         chosen = select_tree_nodes(parents, scores, max_nodes, cfg.threshold, chain=not cfg.tree)
         # By decreasing score, parents first (a child never scores higher); a chain is already in that order.
