@@ -739,3 +739,21 @@ def test_a_unanimous_continuation_passes_a_threshold_of_one(tmp_path, tree):
         config = InfinigramConfig(threshold=1.0, prior=0.0, use_context=False, tree=tree, calibrate=False)
         drafter = InfinigramDrafter(tmp_path / str(n), config=config)
         assert drafter.draft_row(np.array([3]), 2, 8) == ([4, 5], [-1, 0], [1.0, 1.0]), n
+
+
+def test_the_index_header_names_a_local_model_without_its_directories(tmp_path, capsys):
+    """`header.json` is published with the index: a model (and so its tokenizer) given as a local directory is named by
+    its own name, as the sources are, not by the path it has on the building machine."""
+    from hf_accel.cli import main
+    from hf_accel.loading import resolve_model
+    from hf_accel.speculative.drafters.build import build_index_from_documents
+
+    model = tmp_path / "private" / "my-model"
+    shutil.copytree(resolve_model("smollm2-135m"), model, ignore=shutil.ignore_patterns("*.safetensors"))  # tokenizer
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    argv = ["index", "build", "--model", str(model), "--out", str(tmp_path / "idx"), "--text", str(text)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert InfinigramIndex(tmp_path / "idx").header.tokenizer_name == "my-model"
+    header, _ = build_index_from_documents([[3, 7]], FakeTokenizer(10, name=str(model)), tmp_path / "idx2", [])
+    assert header.tokenizer_name == "my-model"  # the tokenizer's own `name_or_path`, a directory too

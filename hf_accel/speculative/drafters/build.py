@@ -261,10 +261,15 @@ def _strip_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
 def build_index_from_documents(
     documents, tokenizer, out_dir: str | Path, sources: list, tokenizer_name: str | None = None
 ) -> tuple[IndexHeader, float]:
-    """Builds the index and returns `(header, seconds spent building)` (tokenization of inputs excluded)."""
+    """Builds the index and returns `(header, seconds spent building)` (tokenization of inputs excluded).
+
+    The header names the tokenizer as a published card does ([`published_name`]): a local model directory by its own
+    name, not by the path it has on this machine."""
+    from ...hub import published_name
+
     documents = list(documents)
     name, vocab_hash, vocab_size = tokenizer_fingerprint(tokenizer)
-    name = tokenizer_name or name
+    name = published_name(tokenizer_name or name)
     start = time.perf_counter()
     header = build_index(documents, out_dir, name, vocab_hash, vocab_size, sources=sources)
     return header, time.perf_counter() - start
