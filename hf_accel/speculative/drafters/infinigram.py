@@ -60,7 +60,7 @@ class InfinigramConfig:
         max_support (`int`): index occurrences read per query (B.3 `max_support`).
         max_match (`int`): longest suffix looked up.
         min_match (`int`): shortest match that may draft.
-        max_context_occurrences (`int`): most recent context occurrences used, per step.
+        max_context_occurrences (`int`): context occurrences used per step: the longest matches, then the most recent.
         tree (`bool`): draft a tree of alternatives (`False`: the majority chain only).
         use_context (`bool`): also match inside the row's own context.
     """
