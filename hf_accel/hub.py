@@ -565,7 +565,8 @@ def populate_hub_cache(
         repo_id (`str`): `ORG/NAME`.
         cache_dir (`str` or `Path`, *optional*): the hub cache; defaults to `huggingface_hub.constants.HF_HUB_CACHE`.
         revision (`str`, *optional*, defaults to `"main"`): the ref to point at the snapshot.
-        commit_hash (`str`, *optional*): 40 hex digits; defaults to a hash of the files' names and contents.
+        commit_hash (`str`, *optional*): 40 hex digits; defaults to a hash of the files' names and contents. A
+            snapshot already under it is made to hold exactly the folder's files.
         ignore_patterns (*optional*): files left out, as for [`push_to_hub`].
 
     Returns:
@@ -595,6 +596,8 @@ def populate_hub_cache(
         commit_hash = commit.hexdigest()
     repo = Path(cache_dir or constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit_hash
+    # a snapshot written before under the same (given) commit: files the folder no longer has must not be loaded
+    _remove_other_files(snapshot, [path.relative_to(folder).as_posix() for path in files])
     for path in files:
         blob = repo / "blobs" / digests[path]
         blob.parent.mkdir(parents=True, exist_ok=True)
@@ -616,6 +619,27 @@ def populate_hub_cache(
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / revision).write_text(commit_hash)
     return snapshot
+
+
+def _remove_other_files(snapshot: Path, names: list[str]) -> None:
+    """Removes from `snapshot` every file that is not one of `names` (paths relative to it) and every folder that holds
+    none of them, as a download of the commit would not have them (a stale `model.safetensors` beside new shards would
+    be loaded first)."""
+    keep, folders = set(names), set()
+    for name in keep:  # every folder above a kept file
+        folder = posixpath.dirname(name)
+        while folder:
+            folders.add(folder)
+            folder = posixpath.dirname(folder)
+    if not snapshot.is_dir():
+        return
+    for path in sorted(snapshot.rglob("*"), reverse=True):  # a folder's files before the folder
+        rel = path.relative_to(snapshot).as_posix()
+        if path.is_dir() and not path.is_symlink():
+            if rel not in folders:
+                shutil.rmtree(path)
+        elif rel not in keep:
+            path.unlink()
 
 
 def add_cli(commands) -> None:

@@ -552,6 +552,26 @@ def test_a_cache_write_cut_short_leaves_no_blob_that_a_later_run_reuses(tmp_path
         assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name
 
 
+def test_a_snapshot_rewritten_under_the_same_commit_has_only_the_new_files(tmp_path):
+    """With a given commit hash, a second write of changed files goes into the same snapshot: what the artifact no
+    longer has (an old single-file checkpoint beside new shards, a removed folder) must go, as in a download."""
+    artifact, commit = tmp_path / "artifact", "1" * 40
+    write_model_card(artifact, "drafter-index", "org/base")
+    (artifact / "model.safetensors").write_bytes(b"old")
+    (artifact / "extra").mkdir()
+    (artifact / "extra" / "notes.txt").write_text("old")
+    populate_hub_cache(artifact, "me/m", cache_dir=tmp_path / "hub", commit_hash=commit)
+    (artifact / "model.safetensors").unlink()
+    shutil.rmtree(artifact / "extra")
+    (artifact / "model-00001-of-00001.safetensors").write_bytes(b"new")
+    snapshot = populate_hub_cache(artifact, "me/m", cache_dir=tmp_path / "hub", commit_hash=commit)
+    assert sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*")) == [
+        "README.md",
+        "model-00001-of-00001.safetensors",
+    ]
+    assert (snapshot / "model-00001-of-00001.safetensors").read_bytes() == b"new"
+
+
 def test_auto_map_files_are_the_local_modules_only():
     from types import SimpleNamespace
 
