@@ -602,23 +602,32 @@ def populate_hub_cache(
         blob = repo / "blobs" / digests[path]
         blob.parent.mkdir(parents=True, exist_ok=True)
         if not blob.exists():  # written under another name first: a blob cut short would be kept by every rerun
-            partial = blob.with_name(f"{blob.name}.{os.getpid()}.incomplete")
-            try:
-                partial.write_bytes(_read(published[path]))
-                os.replace(partial, blob)
-            finally:
-                partial.unlink(missing_ok=True)
+            _replace_with(blob, Path.write_bytes, _read(published[path]))
         target = snapshot / path.relative_to(folder)
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists() or target.is_symlink():
-            target.unlink()
-        try:
-            target.symlink_to(os.path.relpath(blob, target.parent))
-        except OSError:  # no symlinks (Windows without developer mode): the Hub client copies too
-            shutil.copyfile(blob, target)
+        _replace_with(target, _link_or_copy, blob)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / revision).write_text(commit_hash)
+    _replace_with(repo / "refs" / revision, Path.write_text, commit_hash)
     return snapshot
+
+
+def _link_or_copy(target: Path, blob: Path) -> None:
+    try:
+        target.symlink_to(os.path.relpath(blob, target.parent))
+    except OSError:  # no symlinks (Windows without developer mode): the Hub client copies too
+        shutil.copyfile(blob, target)
+
+
+def _replace_with(target: Path, write, *args) -> None:
+    """`write(partial, *args)` at a name of this process's own beside `target`, then renamed over it: a process
+    writing the same cache at once, or a reader, never finds `target` missing or half-written."""
+    partial = target.with_name(f".{target.name}.{os.getpid()}.incomplete")
+    partial.unlink(missing_ok=True)
+    try:
+        write(partial, *args)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _remove_other_files(snapshot: Path, names: list[str]) -> None:
@@ -637,9 +646,9 @@ def _remove_other_files(snapshot: Path, names: list[str]) -> None:
         rel = path.relative_to(snapshot).as_posix()
         if path.is_dir() and not path.is_symlink():
             if rel not in folders:
-                shutil.rmtree(path)
-        elif rel not in keep:
-            path.unlink()
+                shutil.rmtree(path, ignore_errors=True)
+        elif rel not in keep and not path.name.endswith(".incomplete"):  # not another process's file being written
+            path.unlink(missing_ok=True)
 
 
 def add_cli(commands) -> None:

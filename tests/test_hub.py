@@ -572,6 +572,26 @@ def test_a_snapshot_rewritten_under_the_same_commit_has_only_the_new_files(tmp_p
     assert (snapshot / "model-00001-of-00001.safetensors").read_bytes() == b"new"
 
 
+def test_two_processes_writing_the_same_snapshot_at_once_both_succeed(tmp_path, monkeypatch):
+    """Another process populating the same cache can finish a file's link between this one's check and its own link:
+    this one must neither fail nor write through that link into the blob."""
+    artifact, cache = tmp_path / "artifact", tmp_path / "hub"
+    write_model_card(artifact, "drafter-index", "org/base")
+    (artifact / "tokens.u32").write_bytes(bytes(range(256)) * 4)
+    symlink, others = os.symlink, []
+
+    def other_process_first(src, dst, *args, **kwargs):
+        if not others:  # the whole other run, once, just before this one's first link
+            others.append(None)
+            others[0] = populate_hub_cache(artifact, "me/idx", cache_dir=cache)
+        return symlink(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "symlink", other_process_first)
+    snapshot = populate_hub_cache(artifact, "me/idx", cache_dir=cache)
+    assert others == [snapshot] and (snapshot / "tokens.u32").read_bytes() == (artifact / "tokens.u32").read_bytes()
+    assert sorted(p.name for p in snapshot.iterdir()) == ["README.md", "tokens.u32"]
+
+
 def test_auto_map_files_are_the_local_modules_only():
     from types import SimpleNamespace
 
