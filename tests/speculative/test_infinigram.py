@@ -526,6 +526,39 @@ def test_the_self_distillation_cache_is_per_model_weights(tmp_path):
     assert run(other) == answers and len(cache.read_text().splitlines()) == 2
 
 
+def test_two_self_distillations_rewriting_one_cache_at_once_both_finish(tmp_path, monkeypatch):
+    """Another process can rewrite the cache (stamping or replacing records) while this one rewrites it: neither may
+    fail, and the file keeps one whole record per prompt that a rerun takes without generating."""
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters import build
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(seed=0)
+    prompts = [BenchPrompt(question_id=str(i), category="t", text=t) for i, t in enumerate(["abc", "hello", "xyz"])]
+    cache = tmp_path / build.SELF_DISTILL_CACHE
+    legacy = {"key": build._cache_key("", "abc", 4), "question_id": "0", "tokens": [7, 7]}  # stamped by a rewrite
+    cache.write_text(json.dumps(legacy) + "\n")
+
+    def run():
+        return build.self_distill(model, _CharTokenizer(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)
+
+    replace, other = os.replace, []
+
+    def other_process_meanwhile(src, dst):
+        if not other:  # the other process's whole run, once, while this one is about to swap its rewrite in
+            other.append(None)
+            other[0] = run()
+        return replace(src, dst)
+
+    monkeypatch.setattr(build.os, "replace", other_process_meanwhile)
+    answers = run()
+    assert other == [answers] and answers[0] == [7, 7]
+    records = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert sorted(r["question_id"] for r in records) == ["0", "1", "2"]
+    monkeypatch.setattr(model, "generate", lambda *args, **kwargs: pytest.fail("regenerated a cached answer"))
+    assert run() == answers
+
+
 def test_the_self_distillation_cache_is_per_dtype(tmp_path):
     """Weights that bfloat16 holds exactly (a bfloat16 checkpoint loaded in float32) have the same values in both
     dtypes, but not the same greedy answers: answers cached in one dtype were reused in the other."""

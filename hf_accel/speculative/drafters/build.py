@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -207,14 +208,32 @@ def self_distill(
                 }
                 lines.append(json.dumps(records[key]) + "\n")
             cache_file.parent.mkdir(parents=True, exist_ok=True)  # not before: a failed first batch leaves nothing
-            with open(cache_file, "a") as cache:  # a whole batch per write: an interruption loses at most its tail
-                cache.write("".join(lines))
+            # a whole batch in one unbuffered write: an interruption loses at most its tail, and another process
+            # appending at once cannot land inside it
+            with open(cache_file, "ab", buffering=0) as cache:
+                cache.write("".join(lines).encode("utf-8"))
             bar.update(len(batch))
-    if rewrite:  # atomically: an interruption leaves the appended file as it was
-        tmp = cache_file.with_name(f".{cache_file.name}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records.values()), encoding="utf-8")
-        os.replace(tmp, cache_file)
+    if rewrite:
+        _rewrite_self_distill_cache(cache_file, adopted, fingerprint)
     return [done[k] for k in keys]
+
+
+def _rewrite_self_distill_cache(cache_file: Path, adopted: set[str], fingerprint: str) -> None:
+    """The cache rewritten with one record per key (the last one), the `adopted` keys' fingerprint-less records
+    stamped `fingerprint`. It is read again first, so that answers another process appended meanwhile are kept, and
+    written atomically under a name of its own: an interruption, or another process rewriting it at once, leaves a
+    whole file."""
+    records, _ = _read_self_distill_cache(cache_file)
+    for key in adopted:
+        if key in records and "model" not in records[key]:
+            records[key]["model"] = fingerprint
+    fd, tmp = tempfile.mkstemp(prefix=f".{cache_file.name}.", suffix=".tmp", dir=cache_file.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records.values()))
+        os.replace(tmp, cache_file)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _read_self_distill_cache(cache_file: Path) -> tuple[dict[str, dict], int]:
