@@ -2,10 +2,15 @@
 
     python scripts/simulate_ngram.py --cache IDX/self_distill.jsonl --prompts humaneval --limit 100 --eval-last 20
     SIM_INDEX='[true]' python scripts/simulate_ngram.py --cache hf_accel/data/indexes/smollm2-135m-code-build/self_distill.jsonl \
-        --prompts humaneval --limit 100 --eval-last 25 --index-other-records --grid '{"prior": [5, 10, 20, 40]}'
+        --prompts humaneval --limit 100 --eval-last 25 --max-new-tokens 128 --index-other-records \
+        --grid '{"prior": [5, 10, 20, 40]}'
 
 Outputs of the first prompts build the index; the last `--eval-last` are decoded in simulation (their own outputs are
 not indexed). Prints mean accepted length and estimated speedup for a grid of settings.
+
+A cache can hold answers of several runs (another model, another length cap): the prompts' answers are those of
+`--model` and `--max-new-tokens` as `hf-accel index build` keyed them, and the other records indexed with
+`--index-other-records` are those of the same weights.
 """
 
 import argparse
@@ -18,10 +23,27 @@ from transformers import AutoTokenizer
 
 from hf_accel.eval.prompts import load_prompts
 from hf_accel.loading import resolve_model
-from hf_accel.speculative.drafters.build import build_index_from_documents
+from hf_accel.speculative.drafters.build import _cache_key, build_index_from_documents
 from hf_accel.speculative.drafters.index import InfinigramIndex
 from hf_accel.speculative.drafters.infinigram import InfinigramConfig, InfinigramDrafter
 from hf_accel.speculative.drafters.simulate import simulate_greedy
+
+
+def select_records(records: list[dict], prompts: dict, model: str, max_new_tokens: int) -> tuple[list, list]:
+    """`(answers, others)`: the records answering `prompts` (question id -> prompt, in their order) under `model` and
+    `max_new_tokens` (the last record of a key, as the cache reads it), and the records of other prompts written by
+    the same weights."""
+    by_key = {r["key"]: r for r in records}
+    keys = [_cache_key(model, prompt.text, max_new_tokens) for prompt in prompts.values()]
+    answers = [by_key[k] for k in keys if k in by_key]
+    if not answers:
+        raise SystemExit(
+            f"no answers of {model!r} with max_new_tokens {max_new_tokens} to these prompts in the cache: pass the "
+            "--model and --max-new-tokens it was built with"
+        )
+    weights = {r.get("model") for r in answers}
+    others = [r for r in by_key.values() if r["key"] not in set(keys) and r.get("model") in weights]
+    return answers, [r for r in others if r["question_id"] not in prompts]
 
 
 def main():
@@ -31,7 +53,8 @@ def main():
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--eval-last", type=int, default=20)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default="smollm2-135m", help="the --model the cache was built with")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="the --max-new-tokens it was built with")
     parser.add_argument("--extra-docs", default=None, help="pickled list of token-id documents added to the index")
     parser.add_argument(
         "--index-other-records",
@@ -44,10 +67,8 @@ def main():
     prompts = {p.question_id: p for p in load_prompts(args.prompts, tokenizer, args.limit, args.offset)}
     with open(args.cache) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    others = [r["tokens"] for r in records if r["question_id"] not in prompts]
-    records = [r for r in records if r["question_id"] in prompts]
-    order = list(prompts)
-    records.sort(key=lambda r: order.index(r["question_id"]))
+    records, others = select_records(records, prompts, args.model, args.max_new_tokens)
+    others = [r["tokens"] for r in others]
     build, held = records[: -args.eval_last], records[-args.eval_last :]
     cases = [
         (tokenizer(prompts[r["question_id"]].text, add_special_tokens=False)["input_ids"], r["tokens"]) for r in held

@@ -790,3 +790,35 @@ def test_the_index_header_names_a_local_model_without_its_directories(tmp_path, 
     assert InfinigramIndex(tmp_path / "idx").header.tokenizer_name == "my-model"
     header, _ = build_index_from_documents([[3, 7]], FakeTokenizer(10, name=str(model)), tmp_path / "idx2", [])
     assert header.tokenizer_name == "my-model"  # the tokenizer's own `name_or_path`, a directory too
+
+
+def test_simulate_ngram_takes_the_answers_of_the_model_and_length_cap_asked_for(tmp_path, monkeypatch, capsys):
+    """A self-distillation cache can also hold another run's answers to the same prompts (another model, another
+    `--max-new-tokens`): the simulation must use only the run it is asked about, not every line."""
+    import runpy
+    import sys
+
+    from hf_accel.eval.prompts import load_prompts
+    from hf_accel.loading import load_tokenizer
+    from hf_accel.speculative.drafters.build import _cache_key
+
+    shipped = Path(__file__).resolve().parents[2] / "hf_accel/data/indexes/smollm2-135m-humaneval-first100"
+    clean = (shipped / "self_distill.jsonl").read_text()  # smollm2-135m's answers, max_new_tokens 128
+    prompts = load_prompts("humaneval", load_tokenizer("smollm2-135m"), limit=12)
+    other = [
+        {"key": _cache_key("smollm2-135m", p.text, 256), "question_id": p.question_id, "model": "0" * 16,
+         "tokens": [42] * 50}
+        for p in prompts
+    ]  # fmt: skip
+    (tmp_path / "clean.jsonl").write_text(clean)
+    (tmp_path / "mixed.jsonl").write_text(clean + "".join(json.dumps(r) + "\n" for r in other))
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "simulate_ngram.py"), run_name="sim")
+    monkeypatch.setenv("SIM_INDEX", "[true]")
+    printed = []
+    for cache in ("clean", "mixed"):
+        argv = ["simulate_ngram.py", "--cache", str(tmp_path / f"{cache}.jsonl"), "--prompts", "humaneval"]
+        monkeypatch.setattr(sys, "argv", [*argv, "--limit", "12", "--eval-last", "4", "--max-new-tokens", "128"])
+        script["main"]()
+        printed.append(capsys.readouterr().out)
+    assert "from 8 outputs; eval on 4 outputs" in printed[0]
+    assert printed[1] == printed[0]
