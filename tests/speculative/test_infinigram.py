@@ -559,6 +559,27 @@ def test_two_self_distillations_rewriting_one_cache_at_once_both_finish(tmp_path
     assert run() == answers
 
 
+def test_the_self_distillation_cache_is_per_generation_config(tmp_path):
+    """A `generation_config.json` fixed after a first build (another EOS id, a repetition penalty) changes the greedy
+    answers with the same weights: the cached answers of the old config must not be reused."""
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters.build import self_distill
+    from tests.conftest import make_tiny_llama
+
+    prompts = [BenchPrompt(question_id=str(i), category="t", text=t) for i, t in enumerate(["abc", "hello"])]
+
+    def run(model, out):
+        return self_distill(model, _CharTokenizer(), prompts, out, max_new_tokens=6, use_speculation=False)
+
+    model = make_tiny_llama(seed=0)
+    first = run(model, tmp_path)
+    model.generation_config.eos_token_id = first[0][2]  # a token the first answer holds now ends it
+    model.generation_config.repetition_penalty = 1.5
+    fresh = run(model, tmp_path / "fresh")
+    assert fresh != first and run(model, tmp_path) == fresh
+    assert len((tmp_path / "self_distill.jsonl").read_text().splitlines()) == 2  # the old answers were replaced
+
+
 def test_the_self_distillation_cache_is_per_dtype(tmp_path):
     """Weights that bfloat16 holds exactly (a bfloat16 checkpoint loaded in float32) have the same values in both
     dtypes, but not the same greedy answers: answers cached in one dtype were reused in the other."""

@@ -7,8 +7,9 @@ the benchmark renders them (`hf_accel.eval.prompts`), generation stops at EOS or
 
 Generation is batched (prompts sorted by length to limit padding), cached and resumable: every finished answer is
 appended to `<out>/self_distill.jsonl` keyed by prompt text, model name and length cap, with a fingerprint of the
-model's weights and their dtype (a directory re-saved with another model, or the model run in another dtype,
-regenerates its answers, which replace the old ones), and a rerun skips them.
+model's weights, their dtype and its generation config (a directory re-saved with another model or another
+`generation_config.json`, or the model run in another dtype, regenerates its answers, which replace the old ones), and
+a rerun skips them.
 """
 
 import hashlib
@@ -140,6 +141,24 @@ def model_fingerprint(model) -> str:
     return digest.hexdigest()[:16]
 
 
+# generation-config fields that do not change self-distilled answers (set by `self_distill` itself, or bookkeeping)
+_UNUSED_GENERATION_FIELDS = (
+    "transformers_version", "_from_model_config", "use_cache", "output_attentions", "output_hidden_states",
+    "return_dict_in_generate", "output_scores", "output_logits", "pad_token_id", "max_length", "max_new_tokens",
+    "do_sample", "temperature", "top_k", "top_p",
+)  # fmt: skip
+
+
+def answers_fingerprint(model) -> str:
+    """[`model_fingerprint`] together with the model's generation config (its EOS ids, a repetition penalty, banned
+    tokens...: a fixed `generation_config.json` changes greedy answers without changing a weight)."""
+    settings = model.generation_config.to_diff_dict()
+    for name in _UNUSED_GENERATION_FIELDS:
+        settings.pop(name, None)
+    generation = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(f"{model_fingerprint(model)}\0{generation}".encode()).hexdigest()[:16]
+
+
 def _cache_key(model_name: str, text: str, max_new_tokens: int) -> str:
     return hashlib.sha256(f"{model_name}\0{max_new_tokens}\0{text}".encode()).hexdigest()[:24]
 
@@ -168,7 +187,7 @@ def self_distill(
     """
     cache_file = Path(out_dir) / SELF_DISTILL_CACHE
     records, num_lines = _read_self_distill_cache(cache_file)
-    fingerprint = model_fingerprint(model)
+    fingerprint = answers_fingerprint(model)
     keys = [_cache_key(model_name, p.text, max_new_tokens) for p in prompts]
     # records written before fingerprints (no "model") are taken as this model's, and stamped so; another model's
     # answers are regenerated and replace them
