@@ -8,7 +8,9 @@
 
 import argparse
 import hashlib
+import os
 import shutil
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -101,18 +103,32 @@ def _care_model(name: str, model, tokenizer, kv_keep: float):
     from .loading import load_model_and_tokenizer, looks_like_local_path
     from .speculative.drafters.build import model_fingerprint
 
-    cached = care_cache_dir(name, kv_keep)
-    source, stamp = model_fingerprint(model), cached / _SOURCE_STAMP
-    # the stamp is written after the checkpoint: a conversion killed in between is redone
-    if not (cached / "config.json").is_file() or not stamp.is_file() or stamp.read_text().strip() != source:
-        shutil.rmtree(cached, ignore_errors=True)  # the demo's own cache: what is left of it is not this model's
+    cached, source = care_cache_dir(name, kv_keep), model_fingerprint(model)
+    if not _converted_from(cached, source):
         config = CareConversionConfig(kv_keep=kv_keep)
         # Calibrated on the model's own generated text (the CLI default), 32 windows of 64 tokens.
         result = run_care_conversion(model, tokenizer, config, None, True, num_samples=32, seq_len=64)
         base_model = None if looks_like_local_path(name) else name  # a local model's cache gets no model card
-        save_care_model(result, tokenizer, cached, base_model, overwrite=True)
-        stamp.write_text(source + "\n")
+        # Saved and stamped in a staging folder, then renamed into place: another demo running at the same time
+        # never sees a checkpoint without its stamp (and so never removes one being written)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
+        try:
+            staged = save_care_model(result, tokenizer, staging / cached.name, base_model)
+            (staged / _SOURCE_STAMP).write_text(source + "\n")
+            if not _converted_from(cached, source):  # else another demo finished first: keep its copy
+                if cached.exists():
+                    cached.rename(staging / "stale")  # removed with the staging folder
+                os.replace(staged, cached)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return load_model_and_tokenizer(str(cached), trust_remote_code=True)[0], cached
+
+
+def _converted_from(cached: Path, source: str) -> bool:
+    """Whether `cached` holds a finished conversion of the weights fingerprinted `source` (its stamp says so)."""
+    stamp = cached / _SOURCE_STAMP
+    return (cached / "config.json").is_file() and stamp.is_file() and stamp.read_text().strip() == source
 
 
 def _compression_rows(name, model, tokenizer, kv_keep: float) -> tuple[list[dict], str]:

@@ -287,3 +287,44 @@ def test_acceptance_without_engine_statistics_leaves_the_prefill_token_out():
     assert _acceptance("pld", {}, [[1, 2, 3, 4, 5]], target_calls=3) == (4, 2)
     # vanilla: one token per row and pass after the prefill, whatever the calls (rows of 3 and 1 tokens)
     assert _acceptance("vanilla", {}, [[1, 2, 3], [4]], target_calls=3) == (2, 2)
+
+
+@pytest.mark.parametrize("other_demo", ["killed while converting", "finished first"])
+def test_two_demos_converting_the_same_model_at_once_leave_one_whole_checkpoint(tmp_path, monkeypatch, other_demo):
+    # A second demo starting while the first was between saving its checkpoint and stamping it saw no stamp and removed
+    # the checkpoint: the first then failed writing its stamp (FileNotFoundError) or loading
+    from hf_accel import demo
+    from hf_accel.compress import care
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
+    name, tokenizer, model = str(tmp_path / "mine"), make_char_tokenizer(), make_tiny_llama(vocab_size=VOCAB_SIZE)
+    save, convert, conversions = care.save_care_model, care.run_care_conversion, []
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def save_then_the_other_demo_runs(*args, **kwargs):
+        out = save(*args, **kwargs)
+        monkeypatch.setattr(care, "save_care_model", save)
+        if other_demo == "killed while converting":
+            monkeypatch.setattr(care, "run_care_conversion", killed)
+            with pytest.raises(KeyboardInterrupt):
+                demo._care_model(name, model, tokenizer, 0.5)
+        else:
+            demo._care_model(name, model, tokenizer, 0.5)
+        monkeypatch.setattr(care, "run_care_conversion", counted)
+        return out
+
+    def counted(*args, **kwargs):
+        conversions.append(1)
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(care, "run_care_conversion", counted)
+    monkeypatch.setattr(care, "save_care_model", save_then_the_other_demo_runs)
+    care_model, cached = demo._care_model(name, model, tokenizer, 0.5)
+    assert care_model(torch.tensor([[5, 6, 7]])).logits.isfinite().all()
+    assert [p.name for p in cached.parent.iterdir()] == [cached.name]  # no staging folder, no second copy
+    demo._care_model(name, model, tokenizer, 0.5)  # stamped: not converted again
+    assert len(conversions) == 1 + (other_demo == "finished first")
