@@ -30,12 +30,17 @@ def stdlib_sample(every: int = 4, exclude: tuple[str, ...] = ("textwrap.py",)) -
     return files[::every]
 
 
-def self_distilled_responses(tokenizer) -> list[str]:
+def self_distilled_responses() -> list[str]:
+    """The default model's answers in the shipped indexes, decoded with the tokenizer each index names: their token
+    ids are that tokenizer's, whatever `--model` is."""
     import hf_accel
+    from hf_accel.loading import load_tokenizer
 
     texts = []
     for name in INDEXES:
-        with open(Path(hf_accel.__file__).parent / "data" / "indexes" / name / "self_distill.jsonl") as f:
+        directory = Path(hf_accel.__file__).parent / "data" / "indexes" / name
+        tokenizer = load_tokenizer(json.loads((directory / "header.json").read_text())["tokenizer_name"])
+        with open(directory / "self_distill.jsonl") as f:
             texts += [tokenizer.decode(json.loads(line)["tokens"], skip_special_tokens=True) for line in f]
     return texts
 
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
 
     model, tokenizer = load_model_and_tokenizer(args.model)
     first, second = split_text(Path(args.text).read_text(encoding="utf-8"))
-    sources = [first] + self_distilled_responses(tokenizer)
+    sources = [first] + self_distilled_responses()
     sources += [f.read_text(encoding="utf-8", errors="replace") for f in stdlib_sample()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

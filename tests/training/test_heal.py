@@ -371,6 +371,23 @@ def test_scripts_heal_parses_healing_arguments(capsys):
     assert "--teacher_model_name_or_path" in out and "--lora_target_modules" in out and "--output_dir" in out
 
 
+def test_heal_corpus_decodes_shipped_answers_with_their_tokenizer(tmp_path, capsys):
+    # the shipped indexes hold the default model's token ids: another --model's tokenizer would write them as garbage
+    import runpy
+    from pathlib import Path
+
+    import hf_accel
+    from hf_accel.loading import load_tokenizer
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "heal_corpus.py"), run_name="x")
+    assert script["main"](["--model", str(write_tiny_llama(tmp_path / "tiny")), "--out", str(tmp_path / "out")]) == 0
+    cache = Path(hf_accel.__file__).parent / "data" / "indexes" / "smollm2-135m-chat-build" / "self_distill.jsonl"
+    answer = json.loads(cache.read_text().splitlines()[0])["tokens"]
+    expected = load_tokenizer("smollm2-135m").decode(answer, skip_special_tokens=True)
+    assert len(expected) > 100 and expected in (tmp_path / "out" / "train.txt").read_text(encoding="utf-8")
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["out"] == str(tmp_path / "out")
+
+
 def test_dataset_sources_tokenize_and_pack(tmp_path):
     import datasets
 
