@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from hf_accel.compress.care import METHODS as CARE_METHODS
 from hf_accel.eval.palu_quality import PaluBenchConfig, format_palu_table, run_palu_quality_benchmark
 from hf_accel.loading import load_model_and_tokenizer
 
@@ -39,8 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="full-precision windows of recent tokens: extra quantized rows, scored past the window",
     )  # fmt: skip
     parser.add_argument(
-        "--care-methods", nargs="*", default=list(d.care_methods), help="CARE rows at the same budgets (e.g. care)"
-    )
+        "--care-methods", nargs="*", default=list(d.care_methods), choices=CARE_METHODS,
+        help="CARE rows at the same budgets (e.g. care)",
+    )  # fmt: skip
     for name in (
         "calib_samples",
         "calib_generated_samples",

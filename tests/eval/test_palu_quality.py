@@ -71,3 +71,15 @@ def test_window_settings_are_checked_before_anything_runs_and_short_texts_still_
     assert len(report["rows"]) == 2  # a held-out text shorter than one window is scored as before
     with pytest.raises(ValueError, match="skip must be in"):
         perplexity_on_ids(model, torch.zeros(1, 8, dtype=torch.long), skip=7)
+
+
+def test_bench_palu_script_refuses_an_unknown_care_method_before_running(capsys):
+    # CARE rows run after the whole Palu grid: a misspelt method must fail at parse time, not hours later
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "bench_palu.py"), run_name="x")
+    assert script["parse_args"](["--care-methods", "care", "svd"]).care_methods == ["care", "svd"]
+    with pytest.raises(SystemExit) as exit_info:
+        script["parse_args"](["--care-methods", "carre"])
+    assert exit_info.value.code == 2 and "invalid choice: 'carre'" in capsys.readouterr().err
