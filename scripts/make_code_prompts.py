@@ -49,6 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--count", type=int, default=300)
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
+    if args.count < 1:
+        p.error(f"--count must be at least 1, got {args.count}")
     found = candidates()
     step = max(1, len(found) // args.count)
     chosen = found[::step][: args.count]

@@ -78,3 +78,24 @@ def test_chat_prompts_render_the_first_turn_with_the_generation_prompt(tmp_path)
     )
     path = write_jsonl(tmp_path / "q.jsonl", [{"question_id": 1, "turns": ["first question", "second question"]}])
     assert load_prompts(path, tokenizer)[0].text == "<user>first question\n<assistant>"
+
+
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_make_code_prompts_refuses_a_count_below_one(tmp_path, capsys, count):
+    # 0 divided by zero; a negative count wrote all candidates but the last few
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(
+        str(Path(__file__).resolve().parents[2] / "scripts" / "make_code_prompts.py"), run_name="x"
+    )
+    out = tmp_path / "prompts.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        script["main"](["--count", count, "--out", str(out)])
+    assert exit_info.value.code == 2 and "--count must be at least 1" in capsys.readouterr().err
+    assert not out.exists()
+    assert script["main"](["--count", "3", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 3 and all(
+        r["task_id"].startswith("stdlib/") and r["prompt"].endswith('"""\n') for r in records
+    )
