@@ -3,7 +3,9 @@ library, for self-distilling a code index without touching HumanEval's held-out 
 
 Each prompt is a public top-level function of a public top-level stdlib module, rendered like a HumanEval problem: its
 signature, then its docstring (at most 12 lines) in triple quotes, ending with a newline; the model completes it.
-Functions are taken in (module, name) order, spread evenly over all candidates.
+Candidates are in module order (file names sorted), then in source order; every k-th one is taken from the first,
+k = candidates // count (at least 1), up to `count`: with 640 candidates, `--count 300` takes every second one and
+leaves out the last 40.
 
 Example:
     python scripts/make_code_prompts.py --count 300
