@@ -29,6 +29,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if min(args.tokens) < 1 or args.context < 1 or args.repeats < 1:
+        p.error(
+            f"--tokens, --context and --repeats must be at least 1, got {args.tokens}, {args.context}, {args.repeats}"
+        )
     args.tokens = sorted({1, *args.tokens})  # ratios are relative to one token
 
     model, _ = load_model_and_tokenizer(args.model)
