@@ -69,6 +69,10 @@ def main():
         records = [json.loads(line) for line in f if line.strip()]
     records, others = select_records(records, prompts, args.model, args.max_new_tokens)
     others = [r["tokens"] for r in others]
+    if not 1 <= args.eval_last <= len(records):
+        parser.error(
+            f"--eval-last must be in [1, {len(records)}]: the cache has {len(records)} outputs of these prompts"
+        )
     build, held = records[: -args.eval_last], records[-args.eval_last :]
     cases = [
         (tokenizer(prompts[r["question_id"]].text, add_special_tokens=False)["input_ids"], r["tokens"]) for r in held
@@ -80,6 +84,10 @@ def main():
 
             with open(args.extra_docs, "rb") as f:
                 documents += pickle.load(f)
+        if not any(documents):
+            parser.error(
+                "nothing to index: every output is evaluated (lower --eval-last or add --index-other-records)"
+            )
         header, _ = build_index_from_documents(documents, tokenizer, tmp, ["simulation"])
         index = InfinigramIndex(tmp)
         grid = json.loads(args.grid)

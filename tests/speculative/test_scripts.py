@@ -39,3 +39,40 @@ def test_pass_cost_json_holds_the_printed_ratios(tiny_loaded, capsys):
     report = json.loads(capsys.readouterr().out)
     assert list(report["ms"]) == list(report["relative"]) == list(report["head_ms"]) == ["1", "2", "4"]
     assert report["relative"]["1"] == 1.0 and report["context"] == 8
+
+
+def simulation_inputs(tmp_path, count: int = 4) -> list[str]:
+    """A tiny checkpoint, `count` HumanEval-style prompts and a self-distillation cache of their outputs."""
+    from tests.tiny_checkpoints import write_tiny_llama
+
+    prompts, cache = tmp_path / "prompts.jsonl", tmp_path / "cache.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"task_id": f"t{i}", "prompt": f"def f{i}():\n"}) + "\n" for i in range(count))
+    )
+    outputs = [[10 + (i + j) % 7 for j in range(24)] for i in range(count)]  # repetitive: the drafter matches
+    cache.write_text("".join(json.dumps({"question_id": f"t{i}", "tokens": t}) + "\n" for i, t in enumerate(outputs)))
+    return ["--cache", str(cache), "--prompts", str(prompts), "--model", str(write_tiny_llama(tmp_path / "tiny"))]
+
+
+@pytest.mark.parametrize("eval_last", ["0", "-1", "5"])
+def test_simulate_ngram_refuses_an_eval_split_outside_the_cache(tmp_path, monkeypatch, capsys, eval_last):
+    # 0 evaluated every output (records[-0:]) and indexed none; more than the cache holds evaluated fewer than asked
+    args = simulation_inputs(tmp_path)
+    monkeypatch.setattr("sys.argv", ["simulate_ngram.py", *args, "--eval-last", eval_last])
+    with pytest.raises(SystemExit) as exit_info:
+        run_script("simulate_ngram.py")["main"]()
+    assert exit_info.value.code == 2 and "--eval-last must be in [1, 4]" in capsys.readouterr().err
+
+
+def test_simulate_ngram_needs_something_to_index(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("SIM_INDEX", raising=False)  # both rows: without and with the index
+    monkeypatch.setattr("sys.argv", ["simulate_ngram.py", *simulation_inputs(tmp_path), "--eval-last", "4"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_script("simulate_ngram.py")["main"]()
+    assert exit_info.value.code == 2 and "nothing to index" in capsys.readouterr().err
+    monkeypatch.setattr("sys.argv", ["simulate_ngram.py", *simulation_inputs(tmp_path), "--eval-last", "1"])
+    run_script("simulate_ngram.py")["main"]()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("index: ") and "from 3 outputs; eval on 1 outputs" in lines[0]
+    rows = [json.loads(line) for line in lines[1:]]
+    assert [r["index"] for r in rows] == [False, True] and all(r["mean_accepted"] > 1 for r in rows)
