@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (seeded)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if min(args.batch_size, args.num_batches, args.max_new_tokens) < 1 or args.temperature < 0:
+        p.error("--batch-size, --num-batches and --max-new-tokens must be at least 1 and --temperature at least 0")
 
     model, tokenizer = load_model_and_tokenizer(args.model)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.batch_size * args.num_batches, offset=args.offset)

@@ -76,3 +76,13 @@ def test_simulate_ngram_needs_something_to_index(tmp_path, monkeypatch, capsys):
     assert lines[0].startswith("index: ") and "from 3 outputs; eval on 1 outputs" in lines[0]
     rows = [json.loads(line) for line in lines[1:]]
     assert [r["index"] for r in rows] == [False, True] and all(r["mean_accepted"] > 1 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "bad", [["--batch-size", "0"], ["--num-batches", "0"], ["--max-new-tokens", "0"], ["--temperature", "-1"]]
+)
+def test_generate_time_split_refuses_bad_sizes_and_temperatures(tiny_loaded, capsys, bad):
+    # batch size / batches 0 said "no prompts left after --offset 0"; a negative temperature silently ran greedy
+    with pytest.raises(SystemExit) as exit_info:
+        run_script("generate_time_split.py")["main"](bad)
+    assert exit_info.value.code == 2 and "must be at least" in capsys.readouterr().err
