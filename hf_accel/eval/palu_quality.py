@@ -15,6 +15,7 @@ text is sampled on CARE's held-out prompts (`EVAL_PROMPTS`), none of which calib
 """
 
 import copy
+import itertools
 import json
 import sys
 import time
@@ -92,6 +93,22 @@ def _check_residual_lengths(config: PaluBenchConfig) -> None:
         )
 
 
+def _check_conversions(config: PaluBenchConfig) -> None:
+    """Every conversion and bit width of the grid is a valid one (checked before anything runs: a bad value would
+    otherwise fail after the calibration, or after hours of earlier rows, with nothing reported)."""
+    from ..compress.care import CareConversionConfig
+    from ..compress.palu import PaluConversionConfig
+
+    for group_size, ranks, kv_keep in itertools.product(config.group_sizes, config.rank_methods, config.kv_keeps):
+        for bits in sorted({0, *config.bits, *config.no_hadamard_bits}):
+            PaluConversionConfig(
+                kv_keep=kv_keep, group_size=group_size, ranks=ranks, quant_bits=bits,
+                rank_multiple=config.rank_multiple, quant_group_size=config.quant_group_size,
+            )  # fmt: skip
+    for method, kv_keep in itertools.product(config.care_methods, config.kv_keeps):
+        CareConversionConfig(kv_keep=kv_keep, method=method)
+
+
 def _full_windows(tokenizer, text: str, config: PaluBenchConfig) -> torch.Tensor:
     """`[N, eval_seq_len]` token windows of the held-out text (full windows only: they are scored as a batch)."""
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])[: config.eval_tokens]
@@ -161,6 +178,7 @@ def run_palu_quality_benchmark(
 
     config = config or PaluBenchConfig()
     _check_residual_lengths(config)
+    _check_conversions(config)
     timings = {}
     start = time.perf_counter()
     ids = mixed_calibration_ids(

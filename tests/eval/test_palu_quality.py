@@ -83,3 +83,20 @@ def test_bench_palu_script_refuses_an_unknown_care_method_before_running(capsys)
     with pytest.raises(SystemExit) as exit_info:
         script["parse_args"](["--care-methods", "carre"])
     assert exit_info.value.code == 2 and "invalid choice: 'carre'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"kv_keeps": (0.5, 1.5)}, "kv_keep must be in"),
+        ({"bits": (3, 5)}, "quant_bits must be one of"),
+        ({"no_hadamard_bits": (8,)}, "quant_bits must be one of"),
+        ({"group_sizes": (0,)}, "group_size must be a positive integer"),
+        ({"quant_group_size": 3}, "quant_group_size must be 0"),
+        ({"care_methods": ("carre",)}, "unknown CARE method"),
+    ],
+)
+def test_grid_values_are_checked_before_anything_runs(bad, message):
+    # the model is None: a check made after the calibration would fail on it instead
+    with pytest.raises(ValueError, match=message):
+        run_palu_quality_benchmark(None, None, "", "", PaluBenchConfig(**bad), False)
