@@ -21,7 +21,7 @@ DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysh
 
 
 def parse_args(argv=None):
-    from hf_accel.compress.care import METHODS
+    from hf_accel.compress.care import METHODS, CareConversionConfig
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -40,7 +40,13 @@ def parse_args(argv=None):
     p.add_argument("--eval-seq-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for kv_keep in args.kv_keep:  # now, not after the calibration and the rows of the budgets before it
+        try:
+            CareConversionConfig(kv_keep=kv_keep)
+        except ValueError as err:
+            p.error(str(err))
+    return args
 
 
 def main(argv=None) -> int:

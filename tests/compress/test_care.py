@@ -385,3 +385,16 @@ def test_allocation_returns_k_then_v_and_honours_the_rank_floor():
     assert allocate_ranks(factors, 0.5, "care") == ([3], [1])
     # a floor of half the largest rank: V keeps 2, K takes what is left
     assert allocate_ranks(factors, 0.5, "care", rank_floor_frac=0.5) == ([2], [2])
+
+
+def test_bench_care_script_refuses_a_kv_keep_outside_the_budget_range_when_parsing(capsys):
+    # a bad budget used to fail only after the calibration and every row of the budgets before it
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "bench_care.py"), run_name="x")
+    assert script["parse_args"](["--kv-keep", "0.5", "1.0"]).kv_keep == [0.5, 1.0]
+    for bad in ("1.5", "0"):
+        with pytest.raises(SystemExit) as exit_info:
+            script["parse_args"](["--kv-keep", "0.5", bad])
+        assert exit_info.value.code == 2 and "kv_keep must be in (0, 1]" in capsys.readouterr().err
