@@ -14,6 +14,7 @@ A cache can hold answers of several runs (another model, another length cap): th
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -46,6 +47,20 @@ def select_records(records: list[dict], prompts: dict, model: str, max_new_token
     return answers, [r for r in others if r["question_id"] not in prompts]
 
 
+def parse_grid(text: str) -> dict:
+    """`--grid`'s `{InfinigramConfig field: [values]}`; `ValueError` in one line if it is not one."""
+    try:
+        grid = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"--grid is not JSON: {err}") from None
+    if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
+        raise ValueError(f"--grid must map InfinigramConfig fields to non-empty lists of values, got {text}")
+    unknown = sorted(set(grid) - {f.name for f in dataclasses.fields(InfinigramConfig)})
+    if unknown:
+        raise ValueError(f"--grid: unknown InfinigramConfig field(s) {', '.join(unknown)}")
+    return grid
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache", required=True)
@@ -63,6 +78,10 @@ def main():
     )
     parser.add_argument("--grid", default="{}", help="JSON dict of InfinigramConfig field -> list of values")
     args = parser.parse_args()
+    try:
+        grid = parse_grid(args.grid)
+    except ValueError as err:
+        parser.error(str(err))
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     prompts = {p.question_id: p for p in load_prompts(args.prompts, tokenizer, args.limit, args.offset)}
     with open(args.cache) as f:
@@ -90,7 +109,6 @@ def main():
             )
         header, _ = build_index_from_documents(documents, tokenizer, tmp, ["simulation"])
         index = InfinigramIndex(tmp)
-        grid = json.loads(args.grid)
         keys = list(grid)
         print(f"index: {header.num_indexed_tokens} tokens from {len(build)} outputs; eval on {len(held)} outputs")
         for values in itertools.product(*[grid[k] for k in keys]):

@@ -86,3 +86,21 @@ def test_generate_time_split_refuses_bad_sizes_and_temperatures(tiny_loaded, cap
     with pytest.raises(SystemExit) as exit_info:
         run_script("generate_time_split.py")["main"](bad)
     assert exit_info.value.code == 2 and "must be at least" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        ('{"priorr": [5]}', "unknown InfinigramConfig field(s) priorr"),
+        ('{"prior": 5}', "non-empty lists"),
+        ("{prior", "not JSON"),
+    ],
+)
+def test_simulate_ngram_refuses_a_bad_grid_in_one_line(tmp_path, monkeypatch, capsys, grid, message):
+    # a misspelt field was a TypeError traceback from InfinigramConfig, a bare value one from itertools.product
+    monkeypatch.setattr(
+        "sys.argv", ["simulate_ngram.py", *simulation_inputs(tmp_path), "--eval-last", "1", "--grid", grid]
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        run_script("simulate_ngram.py")["main"]()
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
