@@ -43,15 +43,24 @@ def test_pass_cost_json_holds_the_printed_ratios(tiny_loaded, capsys):
 
 def simulation_inputs(tmp_path, count: int = 4) -> list[str]:
     """A tiny checkpoint, `count` HumanEval-style prompts and a self-distillation cache of their outputs."""
+    from hf_accel.eval.prompts import load_prompts
+    from hf_accel.loading import load_tokenizer
+    from hf_accel.speculative.drafters.build import _cache_key
     from tests.tiny_checkpoints import write_tiny_llama
 
     prompts, cache = tmp_path / "prompts.jsonl", tmp_path / "cache.jsonl"
     prompts.write_text(
         "".join(json.dumps({"task_id": f"t{i}", "prompt": f"def f{i}():\n"}) + "\n" for i in range(count))
     )
+    model = str(write_tiny_llama(tmp_path / "tiny"))
+    texts = [p.text for p in load_prompts(str(prompts), load_tokenizer(model))]  # as the script and the cache key them
     outputs = [[10 + (i + j) % 7 for j in range(24)] for i in range(count)]  # repetitive: the drafter matches
-    cache.write_text("".join(json.dumps({"question_id": f"t{i}", "tokens": t}) + "\n" for i, t in enumerate(outputs)))
-    return ["--cache", str(cache), "--prompts", str(prompts), "--model", str(write_tiny_llama(tmp_path / "tiny"))]
+    records = [
+        {"key": _cache_key(model, text, 256), "question_id": f"t{i}", "model": "tiny", "tokens": tokens}
+        for i, (text, tokens) in enumerate(zip(texts, outputs))
+    ]
+    cache.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return ["--cache", str(cache), "--prompts", str(prompts), "--model", model]
 
 
 @pytest.mark.parametrize("eval_last", ["0", "-1", "5"])
