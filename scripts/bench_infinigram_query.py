@@ -41,6 +41,8 @@ def main():
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.queries < 1 or not args.tokens >= 1000:
+        parser.error(f"--queries must be >= 1 and --tokens >= 1000, got {args.queries} and {args.tokens:g}")
     out = Path(args.out)
     build_s = None
     if not (out / "header.json").exists():
@@ -48,6 +50,8 @@ def main():
         build_index(synthetic_documents(int(args.tokens)), out, "synthetic", "0" * 16, 49152, ["synthetic"])
         build_s = time.perf_counter() - start
     index = InfinigramIndex(out)
+    if index.num_tokens < 1000:  # contexts are 512 tokens taken from the corpus, and then some
+        parser.error(f"{out} holds {index.num_tokens} tokens; the benchmark needs at least 1000")
     # Contexts: 512 tokens of corpus text (so the suffix matches), or with a fresh random tail.
     rng = np.random.default_rng(1)
     contexts = []

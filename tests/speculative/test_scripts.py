@@ -113,3 +113,19 @@ def test_simulate_ngram_refuses_a_bad_grid_in_one_line(tmp_path, monkeypatch, ca
     with pytest.raises(SystemExit) as exit_info:
         run_script("simulate_ngram.py")["main"]()
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_infinigram_query_refuses_no_queries_and_too_small_an_index(tmp_path, monkeypatch, capsys):
+    # --queries 0 ended in an IndexError, and an existing index of under ~600 tokens in rng.integers
+    from hf_accel.speculative.drafters.index import build_index
+
+    main = run_script("bench_infinigram_query.py")["main"]
+    monkeypatch.setattr("sys.argv", ["bench_infinigram_query.py", "--out", str(tmp_path / "a"), "--queries", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2 and "--queries must be >= 1" in capsys.readouterr().err
+    build_index([list(range(50))], tmp_path / "small", "synthetic", "0" * 16, 49152)
+    monkeypatch.setattr("sys.argv", ["bench_infinigram_query.py", "--out", str(tmp_path / "small"), "--queries", "2"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2 and "the benchmark needs at least 1000" in capsys.readouterr().err
