@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--teacher-samples", type=int, default=0, help="also write teacher_samples.txt (N x 256 tokens)")
     args = p.parse_args(argv)
+    if args.teacher_samples < 0:
+        p.error(f"--teacher-samples must be >= 0, got {args.teacher_samples}")
 
     model, tokenizer = load_model_and_tokenizer(args.model)
     first, second = split_text(Path(args.text).read_text(encoding="utf-8"))

@@ -388,6 +388,21 @@ def test_heal_corpus_decodes_shipped_answers_with_their_tokenizer(tmp_path, caps
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["out"] == str(tmp_path / "out")
 
 
+def test_heal_corpus_refuses_a_negative_teacher_sample_count_before_loading(tmp_path, capsys, monkeypatch):
+    # -5 was taken as "yes" and crashed in torch.cat of no samples, after the corpus was written
+    import runpy
+    from pathlib import Path
+
+    import hf_accel.loading
+
+    monkeypatch.setattr(hf_accel.loading, "load_model_and_tokenizer", lambda *a, **k: pytest.fail("loaded a model"))
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "heal_corpus.py"), run_name="x")
+    with pytest.raises(SystemExit) as exit_info:
+        script["main"](["--out", str(tmp_path / "out"), "--teacher-samples", "-5"])
+    assert exit_info.value.code == 2 and "--teacher-samples must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_dataset_sources_tokenize_and_pack(tmp_path):
     import datasets
 
