@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import tempfile
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -45,6 +46,20 @@ def select_records(records: list[dict], prompts: dict, model: str, max_new_token
     weights = {r.get("model") for r in answers}
     others = [r for r in by_key.values() if r["key"] not in set(keys) and r.get("model") in weights]
     return answers, [r for r in others if r["question_id"] not in prompts]
+
+
+def read_records(cache: Path) -> list[dict]:
+    """The cache's records; a last line cut short by an interrupted `index build` is left out, as `self_distill`
+    leaves it out (and rewrites it) on its next run."""
+    lines = [line for line in cache.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number < len(lines):
+                raise SystemExit(f"{cache}: line {number} is not a self-distillation record") from None
+    return records
 
 
 def parse_grid(text: str) -> dict:
@@ -84,8 +99,7 @@ def main():
         parser.error(str(err))
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     prompts = {p.question_id: p for p in load_prompts(args.prompts, tokenizer, args.limit, args.offset)}
-    with open(args.cache) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_records(Path(args.cache))
     records, others = select_records(records, prompts, args.model, args.max_new_tokens)
     others = [r["tokens"] for r in others]
     if not 1 <= args.eval_last <= len(records):

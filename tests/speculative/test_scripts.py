@@ -129,3 +129,23 @@ def test_bench_infinigram_query_refuses_no_queries_and_too_small_an_index(tmp_pa
     with pytest.raises(SystemExit) as exit_info:
         main()
     assert exit_info.value.code == 2 and "the benchmark needs at least 1000" in capsys.readouterr().err
+
+
+def test_simulate_ngram_leaves_out_a_last_line_cut_short(tmp_path, monkeypatch, capsys):
+    # an interrupted `index build` can leave half a record at the end of the cache: self_distill drops it on its next
+    # run, and the simulation crashed on it with a JSONDecodeError
+    monkeypatch.setenv("SIM_INDEX", "[true]")
+    args = [*simulation_inputs(tmp_path), "--eval-last", "1"]
+    printed = []
+    for cut in (False, True):
+        if cut:
+            with open(args[1], "a") as f:
+                f.write('{"key": "abc", "question_id": "t9", "tok')
+        monkeypatch.setattr("sys.argv", ["simulate_ngram.py", *args])
+        run_script("simulate_ngram.py")["main"]()
+        printed.append(capsys.readouterr().out)
+    assert printed[1] == printed[0] and "eval on 1 outputs" in printed[0]
+    with open(args[1], "a") as f:
+        f.write('\n{"key": "def"}\n')  # a broken line that is not the last one is an error
+    with pytest.raises(SystemExit, match="line 5 is not a self-distillation record"):
+        run_script("simulate_ngram.py")["main"]()
