@@ -10,6 +10,7 @@ Example:
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,24 @@ def parse_args(argv=None):
     return args
 
 
+def cached(path: str | None, settings: dict, make):
+    """`make()`, saved to `path` with the `settings` it was made with (atomically) and read back by a later run with
+    the same settings; a file made with other settings is refused in one line rather than reused."""
+    if path is None:
+        return make()
+    if Path(path).is_file():
+        saved = torch.load(path, weights_only=False)
+        if not isinstance(saved, dict) or saved.get("settings") != settings:
+            made_with = saved.get("settings") if isinstance(saved, dict) else "an older bench_care"
+            raise SystemExit(f"{path} was made with {made_with}, not {settings}: remove it or name another file")
+        return saved["value"]
+    value = make()
+    tmp = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
+    torch.save({"settings": settings, "value": value}, tmp)
+    os.replace(tmp, path)
+    return value
+
+
 def main(argv=None) -> int:
     from hf_accel.compress.care_bench import benchmark_care, calibrate_mixed, format_table, generated_text, split_text
     from hf_accel.loading import load_model_and_tokenizer
@@ -58,10 +77,11 @@ def main(argv=None) -> int:
     model, tokenizer = load_model_and_tokenizer(args.model)
     calib_text, heldout_text = split_text(Path(args.text).read_text(encoding="utf-8"))
     start = time.perf_counter()
-    if args.calib_cache and Path(args.calib_cache).is_file():
-        calibration = torch.load(args.calib_cache, weights_only=False)
-    else:
-        calibration = calibrate_mixed(
+    settings = {"model": args.model, "text": str(Path(args.text).resolve()), "seed": args.seed}
+    calibration = cached(
+        args.calib_cache,
+        dict(settings, samples=[args.calib_text_samples, args.calib_generated_samples], seq_len=args.calib_seq_len),
+        lambda: calibrate_mixed(
             model,
             tokenizer,
             calib_text,
@@ -69,17 +89,15 @@ def main(argv=None) -> int:
             args.calib_generated_samples,
             args.calib_seq_len,
             seed=args.seed,
-        )
-        if args.calib_cache:
-            torch.save(calibration, args.calib_cache)
+        ),
+    )
     calibration_seconds = time.perf_counter() - start
-    if args.generated_cache and Path(args.generated_cache).is_file():
-        heldout_generated = Path(args.generated_cache).read_text(encoding="utf-8")
-    else:
-        gen_samples = max(1, args.eval_generated_tokens // 256 + 2)
-        heldout_generated = generated_text(model, tokenizer, gen_samples, 256, seed=args.seed + 1000)
-        if args.generated_cache:
-            Path(args.generated_cache).write_text(heldout_generated, encoding="utf-8")
+    gen_samples = max(1, args.eval_generated_tokens // 256 + 2)
+    heldout_generated = cached(
+        args.generated_cache,
+        dict(settings, samples=gen_samples),
+        lambda: generated_text(model, tokenizer, gen_samples, 256, seed=args.seed + 1000),
+    )
     eval_texts = {"shakespeare": heldout_text, "generated": heldout_generated}
     eval_tokens = {"shakespeare": args.eval_tokens, "generated": args.eval_generated_tokens}
     report = benchmark_care(

@@ -398,3 +398,21 @@ def test_bench_care_script_refuses_a_kv_keep_outside_the_budget_range_when_parsi
         with pytest.raises(SystemExit) as exit_info:
             script["parse_args"](["--kv-keep", "0.5", bad])
         assert exit_info.value.code == 2 and "kv_keep must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_bench_care_caches_are_reused_only_with_the_settings_they_were_made_with(tmp_path):
+    # --calib-cache / --generated-cache were read back whatever the run's seed, sizes or text: another run's
+    # statistics were benchmarked as this one's
+    import runpy
+    from pathlib import Path
+
+    cached = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "bench_care.py"), run_name="x")[
+        "cached"
+    ]
+    path, made = str(tmp_path / "cal.pt"), []
+    assert cached(path, {"seed": 0}, lambda: made.append(1) or torch.ones(2)).tolist() == [1.0, 1.0]
+    assert cached(path, {"seed": 0}, lambda: made.append(1) or torch.zeros(2)).tolist() == [1.0, 1.0]  # reused
+    assert made == [1] and [p.name for p in tmp_path.iterdir()] == ["cal.pt"]  # no temporary file left
+    with pytest.raises(SystemExit, match="was made with {'seed': 0}"):
+        cached(path, {"seed": 1}, lambda: torch.zeros(2))
+    assert cached(None, {"seed": 1}, lambda: "not saved") == "not saved"
