@@ -580,6 +580,28 @@ def test_the_self_distillation_cache_is_per_generation_config(tmp_path):
     assert len((tmp_path / "self_distill.jsonl").read_text().splitlines()) == 2  # the old answers were replaced
 
 
+def test_answers_stamped_with_the_weights_only_fingerprint_are_not_regenerated(tmp_path):
+    """Caches written before the generation config was part of the stamp hold the weights-only fingerprint: like
+    records without a stamp, they are this model's answers, re-stamped, not all generated again."""
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters.build import SELF_DISTILL_CACHE, _cache_key, model_fingerprint, self_distill
+    from tests.conftest import make_tiny_llama
+
+    model, other = make_tiny_llama(seed=0), make_tiny_llama(seed=1)
+    prompts = [BenchPrompt(question_id="0", category="t", text="abc")]
+    cache = tmp_path / SELF_DISTILL_CACHE
+    stamped = {"key": _cache_key("m", "abc", 4), "question_id": "0", "model": model_fingerprint(model), "tokens": [7]}
+    cache.write_text(json.dumps(stamped) + "\n")
+
+    def run(model):
+        return self_distill(model, _CharTokenizer(), prompts, tmp_path, max_new_tokens=4, model_name="m",
+                            use_speculation=False)  # fmt: skip
+
+    assert run(model) == [[7]] and run(model) == [[7]]
+    assert json.loads(cache.read_text())["model"] != model_fingerprint(model)  # re-stamped with the config
+    assert run(other) != [[7]]  # another model's weights-only stamp is still another model's
+
+
 def test_the_self_distillation_cache_is_per_dtype(tmp_path):
     """Weights that bfloat16 holds exactly (a bfloat16 checkpoint loaded in float32) have the same values in both
     dtypes, but not the same greedy answers: answers cached in one dtype were reused in the other."""

@@ -9,7 +9,8 @@ Generation is batched (prompts sorted by length to limit padding), cached and re
 appended to `<out>/self_distill.jsonl` keyed by prompt text, model name and length cap, with a fingerprint of the
 model's weights, their dtype and its generation config (a directory re-saved with another model or another
 `generation_config.json`, or the model run in another dtype, regenerates its answers, which replace the old ones), and
-a rerun skips them.
+a rerun skips them. Answers cached by earlier versions, stamped with no fingerprint or with the weights' alone, are
+taken as the model's when the weights match.
 """
 
 import hashlib
@@ -187,11 +188,12 @@ def self_distill(
     """
     cache_file = Path(out_dir) / SELF_DISTILL_CACHE
     records, num_lines = _read_self_distill_cache(cache_file)
-    fingerprint = answers_fingerprint(model)
+    fingerprint, weights = answers_fingerprint(model), model_fingerprint(model)
     keys = [_cache_key(model_name, p.text, max_new_tokens) for p in prompts]
-    # records written before fingerprints (no "model") are taken as this model's, and stamped so; another model's
-    # answers are regenerated and replace them
-    adopted = {k for k in keys if k in records and "model" not in records[k]}
+    # records written before fingerprints (no "model"), or before the generation config was part of them (this
+    # model's weights-only fingerprint), are taken as this model's, and stamped so; another model's answers are
+    # regenerated and replace them
+    adopted = {k for k in keys if k in records and records[k].get("model", weights) == weights}
     for key in adopted:
         records[key]["model"] = fingerprint
     done = {k: r["tokens"] for k, r in records.items() if r.get("model", fingerprint) == fingerprint}
@@ -233,18 +235,18 @@ def self_distill(
                 cache.write("".join(lines).encode("utf-8"))
             bar.update(len(batch))
     if rewrite:
-        _rewrite_self_distill_cache(cache_file, adopted, fingerprint)
+        _rewrite_self_distill_cache(cache_file, adopted, fingerprint, weights)
     return [done[k] for k in keys]
 
 
-def _rewrite_self_distill_cache(cache_file: Path, adopted: set[str], fingerprint: str) -> None:
-    """The cache rewritten with one record per key (the last one), the `adopted` keys' fingerprint-less records
-    stamped `fingerprint`. It is read again first, so that answers another process appended meanwhile are kept, and
+def _rewrite_self_distill_cache(cache_file: Path, adopted: set[str], fingerprint: str, weights: str) -> None:
+    """The cache rewritten with one record per key (the last one), the `adopted` keys' records without a fingerprint
+    or with the weights-only one `weights` stamped `fingerprint`. It is read again first, so that answers another process appended meanwhile are kept, and
     written atomically under a name of its own: an interruption, or another process rewriting it at once, leaves a
     whole file."""
     records, _ = _read_self_distill_cache(cache_file)
     for key in adopted:
-        if key in records and "model" not in records[key]:
+        if key in records and records[key].get("model", weights) == weights:
             records[key]["model"] = fingerprint
     fd, tmp = tempfile.mkstemp(prefix=f".{cache_file.name}.", suffix=".tmp", dir=cache_file.parent)
     try:
