@@ -208,8 +208,8 @@ def test_triton_rope_key_scores_matches_reference(case):
 
 @require_triton
 def test_triton_rope_key_scores_at_far_positions():
-    # RoPE angles up to 1e6 radians (a 1M-token context): the kernel reduces them by 2π itself before its fast
-    # sin/cos, and must still match the reference's precise cos/sin of the same float32 angle
+    # RoPE angles up to 1e6 radians (a 1M-token context): the kernel's cos/sin (libdevice's precise ones, which reduce
+    # the angle themselves) must match the reference's of the same float32 angle; a faster sin/cos must keep this
     query, latent, up_proj, _, inv_freq = _rope_inputs(1, 4, 2, 1, 2, 64, 16, 32, seed=7)
     positions = torch.randint(0, 1_000_000, (1, 64), generator=torch.Generator().manual_seed(7))
     expected = get_kernel("rope_key_scores", "eager")(query, latent, up_proj, positions, inv_freq)
