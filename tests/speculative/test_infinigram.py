@@ -602,6 +602,23 @@ def test_answers_stamped_with_the_weights_only_fingerprint_are_not_regenerated(t
     assert run(other) != [[7]]  # another model's weights-only stamp is still another model's
 
 
+def test_rewriting_the_self_distillation_cache_keeps_its_permissions(tmp_path):
+    """The rewrite goes through a `mkstemp` file, which is private (0600): an index directory shared with others (its
+    cache group-readable) must not become unreadable to them because a record was stamped."""
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters.build import SELF_DISTILL_CACHE, _cache_key, self_distill
+    from tests.conftest import make_tiny_llama
+
+    cache = tmp_path / SELF_DISTILL_CACHE
+    cache.write_text(json.dumps({"key": _cache_key("m", "abc", 4), "question_id": "0", "tokens": [7]}) + "\n")
+    cache.chmod(0o664)
+    prompts = [BenchPrompt(question_id="0", category="t", text="abc")]
+    answers = self_distill(make_tiny_llama(seed=0), _CharTokenizer(), prompts, tmp_path, max_new_tokens=4,
+                           model_name="m", use_speculation=False)  # fmt: skip
+    assert answers == [[7]] and "model" in json.loads(cache.read_text())  # stamped: the file was rewritten
+    assert cache.stat().st_mode & 0o777 == 0o664
+
+
 def test_the_self_distillation_cache_is_per_dtype(tmp_path):
     """Weights that bfloat16 holds exactly (a bfloat16 checkpoint loaded in float32) have the same values in both
     dtypes, but not the same greedy answers: answers cached in one dtype were reused in the other."""

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -241,15 +242,16 @@ def self_distill(
 
 def _rewrite_self_distill_cache(cache_file: Path, adopted: set[str], fingerprint: str, weights: str) -> None:
     """The cache rewritten with one record per key (the last one), the `adopted` keys' records without a fingerprint
-    or with the weights-only one `weights` stamped `fingerprint`. It is read again first, so that answers another process appended meanwhile are kept, and
-    written atomically under a name of its own: an interruption, or another process rewriting it at once, leaves a
-    whole file."""
+    or with the weights-only one `weights` stamped `fingerprint`. It is read again first, so that answers another
+    process appended meanwhile are kept, and written atomically under a name of its own, with the file's permissions:
+    an interruption, or another process rewriting it at once, leaves a whole file."""
     records, _ = _read_self_distill_cache(cache_file)
     for key in adopted:
         if key in records and records[key].get("model", weights) == weights:
             records[key]["model"] = fingerprint
     fd, tmp = tempfile.mkstemp(prefix=f".{cache_file.name}.", suffix=".tmp", dir=cache_file.parent)
     try:
+        os.chmod(tmp, stat.S_IMODE(cache_file.stat().st_mode))  # mkstemp's file is private (0600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write("".join(json.dumps(r) + "\n" for r in records.values()))
         os.replace(tmp, cache_file)
