@@ -119,7 +119,11 @@ def _care_model(name: str, model, tokenizer, kv_keep: float):
             if not _converted_from(cached, source):  # else another demo finished first: keep its copy
                 if cached.exists():
                     cached.rename(staging / "stale")  # removed with the staging folder
-                os.replace(staged, cached)
+                try:
+                    os.replace(staged, cached)
+                except OSError:  # another demo's copy landed in between
+                    if not _converted_from(cached, source):
+                        raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return load_model_and_tokenizer(str(cached), trust_remote_code=True)[0], cached

@@ -1,6 +1,8 @@
 """The benchmark harness and the CLI on the embedded default model (shared session instance)."""
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -328,3 +330,26 @@ def test_two_demos_converting_the_same_model_at_once_leave_one_whole_checkpoint(
     assert [p.name for p in cached.parent.iterdir()] == [cached.name]  # no staging folder, no second copy
     demo._care_model(name, model, tokenizer, 0.5)  # stamped: not converted again
     assert len(conversions) == 1 + (other_demo == "finished first")
+
+
+def test_a_demo_whose_rename_loses_to_another_demos_copy_keeps_that_copy(tmp_path, monkeypatch):
+    # two demos finishing at once: the second rename meets the first's finished copy (directory not empty)
+    from hf_accel import demo
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
+    name, replace = str(tmp_path / "mine"), os.replace
+    target = demo.care_cache_dir(name, 0.5)
+
+    def the_other_demo_lands_first(source, destination):
+        if os.fspath(destination) != os.fspath(target):
+            return replace(source, destination)
+        shutil.copytree(source, destination)  # its copy, stamped for the same weights
+        raise OSError(39, "Directory not empty")
+
+    monkeypatch.setattr(os, "replace", the_other_demo_lands_first)
+    model = make_tiny_llama(vocab_size=VOCAB_SIZE)
+    care_model, cached = demo._care_model(name, model, make_char_tokenizer(), 0.5)
+    assert cached == target and care_model(torch.tensor([[5, 6, 7]])).logits.isfinite().all()
+    assert [p.name for p in cached.parent.iterdir()] == [cached.name]
