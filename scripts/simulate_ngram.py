@@ -25,17 +25,20 @@ from transformers import AutoTokenizer
 
 from hf_accel.eval.prompts import load_prompts
 from hf_accel.loading import resolve_model
-from hf_accel.speculative.drafters.build import _cache_key, build_index_from_documents
+from hf_accel.speculative.drafters.build import (
+    _cache_key,
+    build_index_from_documents,
+    parse_self_distill_records,
+    whole_records,
+)
 from hf_accel.speculative.drafters.index import InfinigramIndex
 from hf_accel.speculative.drafters.infinigram import InfinigramConfig, InfinigramDrafter
 from hf_accel.speculative.drafters.simulate import simulate_greedy
 
 
-def select_records(records: list[dict], prompts: dict, model: str, max_new_tokens: int) -> tuple[list, list]:
-    """`(answers, others)`: the records answering `prompts` (question id -> prompt, in their order) under `model` and
-    `max_new_tokens` (the last record of a key, as the cache reads it), and the records of other prompts written by
-    the same weights."""
-    by_key = {r["key"]: r for r in records}
+def select_records(by_key: dict[str, dict], prompts: dict, model: str, max_new_tokens: int) -> tuple[list, list]:
+    """`(answers, others)`: of the cache's records by key, those answering `prompts` (question id -> prompt, in their
+    order) under `model` and `max_new_tokens`, and the records of other prompts written by the same weights."""
     keys = [_cache_key(model, prompt.text, max_new_tokens) for prompt in prompts.values()]
     answers = [by_key[k] for k in keys if k in by_key]
     if not answers:
@@ -43,23 +46,18 @@ def select_records(records: list[dict], prompts: dict, model: str, max_new_token
             f"no answers of {model!r} with max_new_tokens {max_new_tokens} to these prompts in the cache: pass the "
             "--model and --max-new-tokens it was built with"
         )
-    weights = {r.get("model") for r in answers}
-    others = [r for r in by_key.values() if r["key"] not in set(keys) and r.get("model") in weights]
+    weights, asked = {r.get("model") for r in answers}, set(keys)
+    others = [r for r in by_key.values() if r["key"] not in asked and r.get("model") in weights]
     return answers, [r for r in others if r["question_id"] not in prompts]
 
 
-def read_records(cache: Path) -> list[dict]:
-    """The cache's records; a last line cut short by an interrupted `index build` is left out, as `self_distill`
-    leaves it out (and rewrites it) on its next run."""
-    lines = [line for line in cache.read_text(encoding="utf-8").splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            if number < len(lines):
-                raise SystemExit(f"{cache}: line {number} is not a self-distillation record") from None
-    return records
+def read_records(cache: Path) -> dict[str, dict]:
+    """The cache's records by key, read as `self_distill` reads them, without mending the file: a last line cut short
+    by an interrupted `index build` is left out."""
+    try:
+        return parse_self_distill_records(whole_records(cache.read_bytes()), cache)[0]
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def parse_grid(text: str) -> dict:

@@ -266,18 +266,34 @@ def _read_self_distill_cache(cache_file: Path) -> tuple[dict[str, dict], int]:
     if not cache_file.is_file():
         return {}, 0
     data = cache_file.read_bytes()
+    complete = whole_records(data)
+    if len(complete) > len(data):
+        with open(cache_file, "ab") as f:
+            f.write(b"\n")
+    elif len(complete) < len(data):
+        with open(cache_file, "r+b") as f:
+            f.truncate(len(complete))
+    return parse_self_distill_records(complete, cache_file)
+
+
+def whole_records(data: bytes) -> bytes:
+    """The part of a self-distillation cache's bytes made of whole lines: a last line cut short by an interruption is
+    left out; a whole last record only missing its newline gets one."""
     complete = data[: data.rfind(b"\n") + 1]
     if len(complete) < len(data):
         try:
             json.loads(data[len(complete) :])
-            complete = data + b"\n"
-            with open(cache_file, "ab") as f:
-                f.write(b"\n")
+            return data + b"\n"
         except ValueError:
-            with open(cache_file, "r+b") as f:
-                f.truncate(len(complete))
+            pass
+    return complete
+
+
+def parse_self_distill_records(data: bytes, cache_file) -> tuple[dict[str, dict], int]:
+    """The records of [`whole_records`]'s `data` by key (the last one of a key wins), and how many there were;
+    `ValueError` in one line on a line that is not a record."""
     done, count = {}, 0
-    for number, line in enumerate(complete.decode("utf-8").splitlines(), 1):
+    for number, line in enumerate(data.decode("utf-8").splitlines(), 1):
         if line.strip():
             count += 1
             try:
