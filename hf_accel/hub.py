@@ -576,6 +576,8 @@ def populate_hub_cache(
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
+    from .compress.export import replace_atomically
+
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"not a directory: {folder}")
@@ -602,12 +604,12 @@ def populate_hub_cache(
         blob = repo / "blobs" / digests[path]
         blob.parent.mkdir(parents=True, exist_ok=True)
         if not blob.exists():  # written under another name first: a blob cut short would be kept by every rerun
-            _replace_with(blob, Path.write_bytes, _read(published[path]))
+            replace_atomically(blob, Path.write_bytes, _read(published[path]))
         target = snapshot / path.relative_to(folder)
         target.parent.mkdir(parents=True, exist_ok=True)
-        _replace_with(target, _link_or_copy, blob)
+        replace_atomically(target, _link_or_copy, blob)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
-    _replace_with(repo / "refs" / revision, Path.write_text, commit_hash)
+    replace_atomically(repo / "refs" / revision, Path.write_text, commit_hash)
     return snapshot
 
 
@@ -616,18 +618,6 @@ def _link_or_copy(target: Path, blob: Path) -> None:
         target.symlink_to(os.path.relpath(blob, target.parent))
     except OSError:  # no symlinks (Windows without developer mode): the Hub client copies too
         shutil.copyfile(blob, target)
-
-
-def _replace_with(target: Path, write, *args) -> None:
-    """`write(partial, *args)` at a name of this process's own beside `target`, then renamed over it: a process
-    writing the same cache at once, or a reader, never finds `target` missing or half-written."""
-    partial = target.with_name(f".{target.name}.{os.getpid()}.incomplete")
-    partial.unlink(missing_ok=True)
-    try:
-        write(partial, *args)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def _remove_other_files(snapshot: Path, names: list[str]) -> None:

@@ -10,7 +10,6 @@ Example:
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -53,6 +52,8 @@ def parse_args(argv=None):
 def cached(path: str | None, settings: dict, make):
     """`make()`, saved to `path` with the `settings` it was made with (atomically) and read back by a later run with
     the same settings; a file made with other settings is refused in one line rather than reused."""
+    from hf_accel.compress.export import replace_atomically
+
     if path is None:
         return make()
     if Path(path).is_file():
@@ -62,9 +63,7 @@ def cached(path: str | None, settings: dict, make):
             raise SystemExit(f"{path} was made with {made_with}, not {settings}: remove it or name another file")
         return saved["value"]
     value = make()
-    tmp = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
-    torch.save({"settings": settings, "value": value}, tmp)
-    os.replace(tmp, path)
+    replace_atomically(Path(path), lambda partial: torch.save({"settings": settings, "value": value}, partial))
     return value
 
 

@@ -129,6 +129,18 @@ def _is_checkpoint(folder: Path) -> bool:
     return isinstance(config, dict) and "model_type" in config and has_weights
 
 
+def replace_atomically(target: Path, write, *args) -> None:
+    """`write(partial, *args)` at a name of this process's own beside `target`, then renamed over it: a process
+    writing the same cache at once, or a reader, never finds `target` missing or half-written."""
+    partial = target.with_name(f".{target.name}.{os.getpid()}.incomplete")
+    partial.unlink(missing_ok=True)
+    try:
+        write(partial, *args)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 @contextmanager
 def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
     """Yields a temporary directory that becomes `out_dir` when the block succeeds (and is deleted if it fails).
