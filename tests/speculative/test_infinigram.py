@@ -882,3 +882,17 @@ def test_simulate_ngram_takes_the_answers_of_the_model_and_length_cap_asked_for(
         printed.append(capsys.readouterr().out)
     assert "from 8 outputs; eval on 4 outputs" in printed[0]
     assert printed[1] == printed[0]
+
+
+def test_a_longest_match_that_only_ends_documents_falls_back_to_a_shorter_one(tmp_path):
+    """The context's longest suffix in the index, `8 5 6`, occurs only at a document's end; `5 6` is continued by 7
+    elsewhere. The drafter drafts from the shorter match rather than from nothing."""
+    name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(16))
+    build_index([[1, 8, 5, 6], [5, 6, 7, 9]], tmp_path / "idx", name, vocab_hash, vocab_size)
+    config = InfinigramConfig(threshold=0.0, use_context=False, calibrate=False)
+    drafter = InfinigramDrafter(tmp_path / "idx", config=config)
+    assert drafter.index.longest_suffix(np.array([8, 5, 6]))[0] == 3
+    assert drafter.draft_row(np.array([8, 5, 6]), 2, 8)[0] == [7, 9]
+    # min_match still holds: no suffix of 3 or more tokens is continued
+    drafter.config.min_match = 3
+    assert drafter.draft_row(np.array([8, 5, 6]), 2, 8) == ([], [], [])

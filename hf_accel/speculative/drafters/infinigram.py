@@ -3,8 +3,9 @@
 Spec: `specs/000_care_infinigram.md`, Part B. One `propose` call per step and row does:
 
 1. **Matches.** The longest suffix of the row's context (prompt + generated tokens) found in the index
-   ([`InfinigramIndex.longest_suffix`], the ∞-gram's `c_s`, Eq. 4.1) and every earlier occurrence of a suffix of
-   the context inside the context itself ([`context_matches`]), so the drafter works with no index at all.
+   ([`InfinigramIndex.longest_suffix`], the ∞-gram's `c_s`, Eq. 4.1; if every occurrence of it ends a document, the
+   longest shorter suffix that is continued somewhere) and every earlier occurrence of a suffix of the context
+   inside the context itself ([`context_matches`]), so the drafter works with no index at all.
 2. **`inf_nkt` continuations.** The next `max_depth` tokens after each occurrence (index occurrences subsampled to
    `max_support`, B.3), cut at document ends.
 3. **Trie and scores.** Occurrences form groups: the index's longest match, and the context's occurrences by match
@@ -307,12 +308,19 @@ class InfinigramDrafter:
         cfg = self.config
         groups = []
         if self.index is not None:
-            length, lo, hi = self.index.longest_suffix(context, cfg.max_match)
-            if length >= cfg.min_match:
+            # The longest suffix that has a continuation: where every occurrence of the longest match ends a document,
+            # the next shorter suffix (its occurrences include those) is looked up.
+            max_match = cfg.max_match
+            while max_match >= cfg.min_match:
+                length, lo, hi = self.index.longest_suffix(context, max_match)
+                if length < cfg.min_match:
+                    break
                 conts = self.index.continuations(lo, hi, length, depth, cfg.max_support)
                 conts = conts[conts[:, 0] >= 0]
                 if len(conts):
                     groups.append((length, False, conts))
+                    break
+                max_match = length - 1
         if cfg.use_context:
             ends, lengths = context_matches(context, cfg.max_match, cfg.min_match)
             order = np.lexsort((-ends, -lengths))[: cfg.max_context_occurrences]  # longest, then most recent
