@@ -896,3 +896,38 @@ def test_a_longest_match_that_only_ends_documents_falls_back_to_a_shorter_one(tm
     # min_match still holds: no suffix of 3 or more tokens is continued
     drafter.config.min_match = 3
     assert drafter.draft_row(np.array([8, 5, 6]), 2, 8) == ([], [], [])
+
+
+def test_a_token_added_after_the_index_was_built_is_accepted_a_changed_one_is_not(small_index):
+    """`tokenizer.add_special_tokens({"pad_token": "<pad>"})` appends an id past every id the index holds: the index
+    still means the same thing. A token renamed, moved or removed below the index's `vocab_size` is refused."""
+    _, index = small_index
+    tokenizer = FakeTokenizer(200000)
+    tokenizer.vocab["<pad>"] = 200000
+    index.check_tokenizer(tokenizer)
+    for edit in ({"t5": 199999, "t199999": 5}, {"t5": None}, {"<new>": 17}):
+        changed = FakeTokenizer(200000)
+        for token, new_id in edit.items():
+            if new_id is None:
+                del changed.vocab[token]
+            else:
+                changed.vocab[token] = new_id
+        with pytest.raises(ValueError, match="vocabulary hash"):
+            index.check_tokenizer(changed)
+    short = FakeTokenizer(199999)  # the last id the index may hold is gone
+    with pytest.raises(ValueError, match="vocabulary hash"):
+        index.check_tokenizer(short)
+
+
+def test_shipped_indexes_accept_the_default_tokenizer_with_a_pad_token_added():
+    from hf_accel.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    shipped = sorted((Path(__file__).resolve().parents[2] / "hf_accel/data/indexes").glob("*/header.json"))
+    assert shipped
+    for header in shipped:
+        InfinigramIndex(header.parent).check_tokenizer(tokenizer)
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    assert len(tokenizer) == 49153
+    for header in shipped:
+        InfinigramIndex(header.parent).check_tokenizer(tokenizer)

@@ -52,13 +52,21 @@ class IndexHeader:
         return self.num_tokens - self.num_documents
 
 
-def tokenizer_fingerprint(tokenizer) -> tuple[str, str, int]:
-    """`(name, vocab_hash, vocab_size)` of a tokenizer; the hash covers every `(token, id)` pair."""
+def tokenizer_fingerprint(tokenizer, below: int | None = None) -> tuple[str, str, int]:
+    """`(name, vocab_hash, vocab_size)` of a tokenizer: `vocab_size` is its largest id + 1, and the hash covers every
+    `(token, id)` pair with an id below `below` (defaults to `vocab_size`: all of them).
+
+    An index holds ids below its header's `vocab_size` only, so [`InfinigramIndex.check_tokenizer`] hashes the
+    tokenizer's pairs below that bound: tokens added after the build (a pad token) do not change what the index's ids
+    mean, a token changed or removed below the bound does."""
     vocab = tokenizer.get_vocab()
+    vocab_size = max(vocab.values()) + 1
+    below = vocab_size if below is None else below
     digest = hashlib.sha256()
     for token, index in sorted(vocab.items(), key=lambda item: item[1]):
-        digest.update(f"{index}\t{token}\n".encode("utf-8", "surrogatepass"))
-    return str(getattr(tokenizer, "name_or_path", "") or ""), digest.hexdigest()[:16], max(vocab.values()) + 1
+        if index < below:
+            digest.update(f"{index}\t{token}\n".encode("utf-8", "surrogatepass"))
+    return str(getattr(tokenizer, "name_or_path", "") or ""), digest.hexdigest()[:16], vocab_size
 
 
 def build_index(
@@ -201,14 +209,16 @@ class InfinigramIndex:
         self.num_tokens = len(self.tokens)
 
     def check_tokenizer(self, tokenizer) -> None:
-        """Raises `ValueError` if the index was built with a different tokenizer than `tokenizer`."""
-        name, vocab_hash, vocab_size = tokenizer_fingerprint(tokenizer)
+        """Raises `ValueError` unless `tokenizer` maps the ids the index can hold (those below the header's
+        `vocab_size`) as the build's tokenizer did: tokens added after them (a pad token) are fine."""
+        bound = self.header.vocab_size
+        name, vocab_hash, vocab_size = tokenizer_fingerprint(tokenizer, below=bound)
         if vocab_hash != self.header.vocab_hash:
             raise ValueError(
                 f"index {self.path} was built with tokenizer {self.header.tokenizer_name!r} (vocabulary hash "
-                f"{self.header.vocab_hash}, {self.header.vocab_size} ids) but the model's tokenizer {name!r} has "
-                f"vocabulary hash {vocab_hash} ({vocab_size} ids); token ids would not mean the same thing. Rebuild "
-                "the index with this model: `hf-accel index build --model <model> --out DIR ...`"
+                f"{self.header.vocab_hash}, {bound} ids) but the model's tokenizer {name!r} has vocabulary hash "
+                f"{vocab_hash} over its ids below {bound} ({vocab_size} ids in all); token ids would not mean the "
+                "same thing. Rebuild the index with this model: `hf-accel index build --model <model> --out DIR ...`"
             )
 
     # --------------------------------------------------------------------------------------------------- queries
