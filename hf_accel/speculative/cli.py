@@ -1,5 +1,6 @@
 """`hf-accel index build`: an Infinigram index from text files, a dataset, or the model's own answers."""
 
+import itertools
 import re
 import shutil
 import time
@@ -64,25 +65,28 @@ def _run_build(args) -> int:
         model, tokenizer = load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     else:
         model, tokenizer = None, load_tokenizer(args.model, args.trust_remote_code)
-    documents, sources = [], []
+    documents, sources = [], []  # iterables, consumed once as the index is written
     start = time.perf_counter()
     if args.text:
-        documents += list(iter_text_file_documents(args.text, tokenizer))
+        documents.append(iter_text_file_documents(args.text, tokenizer))
         sources += [f"text:{published_name(p)}" for p in args.text]
     if args.dataset:
-        documents += list(iter_dataset_documents(args.dataset, tokenizer, args.split, args.text_column))
+        documents.append(iter_dataset_documents(args.dataset, tokenizer, args.split, args.text_column))
         sources.append(f"dataset:{published_name(args.dataset)}:{args.split}:{args.text_column}")
     generation_s = 0.0
     for name, offset, limit in prompt_sets:
         prompts = load_prompts(name, tokenizer, limit=limit, offset=offset)
         tic = time.perf_counter()
-        documents += self_distill(model, tokenizer, prompts, out, args.max_new_tokens, args.batch_size, args.model)
+        documents.append(
+            self_distill(model, tokenizer, prompts, out, args.max_new_tokens, args.batch_size, args.model)
+        )
         generation_s += time.perf_counter() - tic
         sources.append(
             f"self-distill:{published_name(name)}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}"
         )
-    prepare_s = time.perf_counter() - start
-    header, build_s = build_index_from_documents(documents, tokenizer, out, sources, args.model)
+    tic = time.perf_counter()
+    header, build_s = build_index_from_documents(itertools.chain(*documents), tokenizer, out, sources, args.model)
+    prepare_s = tic - start + (time.perf_counter() - tic - build_s)  # text and dataset are tokenized as they stream
     card = _write_card(str(out), args.model, header)
     tokens = header.num_indexed_tokens  # not the stream's separators
     result = {

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from hf_accel.speculative import custom_generate
-from hf_accel.speculative.drafters.index import INDEX_FILES, InfinigramIndex, build_index, tokenizer_fingerprint
+from hf_accel.speculative.drafters.index import (
+    INDEX_FILES,
+    SEPARATOR,
+    InfinigramIndex,
+    build_index,
+    tokenizer_fingerprint,
+)
 from hf_accel.speculative.drafters.infinigram import (
     InfinigramConfig,
     InfinigramDrafter,
@@ -931,3 +937,54 @@ def test_shipped_indexes_accept_the_default_tokenizer_with_a_pad_token_added():
     assert len(tokenizer) == 49153
     for header in shipped:
         InfinigramIndex(header.parent).check_tokenizer(tokenizer)
+
+
+def _synthetic_documents(count, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        yield rng.integers(0, 200000, size=int(rng.integers(0, 300))).tolist()  # Python ints, as a tokenizer's
+
+
+def test_an_index_built_from_a_generator_is_the_index_built_from_a_list(tmp_path):
+    from hf_accel.speculative.drafters.build import build_index_from_documents
+
+    docs = list(_synthetic_documents(60))
+    consumed = []
+
+    def once():
+        consumed.append(None)
+        yield from _synthetic_documents(60)
+
+    tokenizer = FakeTokenizer(200000)
+    header, _ = build_index_from_documents(docs, tokenizer, tmp_path / "list", ["unit"])
+    streamed, _ = build_index_from_documents(once(), tokenizer, tmp_path / "gen", ["unit"])
+    assert consumed == [None] and streamed == header
+    for name in INDEX_FILES:
+        assert (tmp_path / "gen" / name).read_bytes() == (tmp_path / "list" / name).read_bytes(), name
+    index = InfinigramIndex(tmp_path / "gen")
+    stream = [t for doc in docs if doc for t in [*doc, int(SEPARATOR)]]
+    assert index.tokens.tolist() == stream and header.num_tokens == len(stream)
+
+
+def test_building_an_index_does_not_hold_the_documents(tmp_path):
+    """Documents stream to the staged token file: memory does not grow with the documents consumed (before, every
+    document was kept as Python ints, then as numpy chunks until the stream was concatenated)."""
+    import tracemalloc
+
+    from hf_accel.speculative.drafters.build import build_index_from_documents
+
+    traced = []
+
+    def documents():
+        for number, doc in enumerate(_synthetic_documents(400, seed=1)):
+            traced.append(tracemalloc.get_traced_memory()[0])
+            yield doc
+
+    tracemalloc.start()
+    try:
+        header, _ = build_index_from_documents(documents(), FakeTokenizer(200000), tmp_path / "idx", [])
+    finally:
+        tracemalloc.stop()
+    assert header.num_tokens > 50000
+    growth = traced[-1] - traced[10]
+    assert growth < header.num_tokens  # the stream alone is 4 bytes a token

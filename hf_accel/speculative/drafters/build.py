@@ -118,13 +118,12 @@ def _cuts_at_run(text: str, start: int, cut: int) -> list[int]:
 def iter_dataset_documents(
     name: str, tokenizer, split: str = "train", text_column: str = "text"
 ) -> Iterator[list[int]]:
-    """Token ids of each record's `text_column` of a `datasets` dataset (save_to_disk directory or Hub id/files)."""
+    """Token ids of each record's `text_column` of a `datasets` dataset (save_to_disk directory or Hub id/files),
+    tokenized as they are taken; the dataset is loaded at the call."""
     from ...loading import load_dataset_split
 
-    data = load_dataset_split(name, split, column=text_column)
-    for text in data[text_column]:
-        if text:
-            yield tokenizer(text, add_special_tokens=False)["input_ids"]
+    data = load_dataset_split(name, split, column=text_column)  # now: a bad name fails before anything else runs
+    return (tokenizer(text, add_special_tokens=False)["input_ids"] for text in data[text_column] if text)
 
 
 def model_fingerprint(model) -> str:
@@ -319,15 +318,32 @@ def _strip_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
 def build_index_from_documents(
     documents, tokenizer, out_dir: str | Path, sources: list, tokenizer_name: str | None = None
 ) -> tuple[IndexHeader, float]:
-    """Builds the index and returns `(header, seconds spent building)` (tokenization of inputs excluded).
+    """Builds the index and returns `(header, seconds spent building)`.
+
+    `documents` is consumed once, as the index is written ([`build_index`]): a generator that tokenizes lazily is
+    never held whole. The seconds leave out the time spent producing the documents (tokenizing inputs).
 
     The header names the tokenizer as a published card does ([`published_name`]): a local model directory by its own
     name, not by the path it has on this machine."""
     from ...hub import published_name
 
-    documents = list(documents)
     name, vocab_hash, vocab_size = tokenizer_fingerprint(tokenizer)
     name = published_name(tokenizer_name or name)
+    inputs_s = [0.0]
     start = time.perf_counter()
-    header = build_index(documents, out_dir, name, vocab_hash, vocab_size, sources=sources)
-    return header, time.perf_counter() - start
+    header = build_index(_timed(documents, inputs_s), out_dir, name, vocab_hash, vocab_size, sources=sources)
+    return header, time.perf_counter() - start - inputs_s[0]
+
+
+def _timed(items: Iterable, seconds: list[float]) -> Iterator:
+    """`items`, adding the time spent producing each one to `seconds[0]`."""
+    iterator = iter(items)
+    while True:
+        tic = time.perf_counter()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        finally:
+            seconds[0] += time.perf_counter() - tic
+        yield item

@@ -79,6 +79,9 @@ def build_index(
 ) -> IndexHeader:
     """Writes an index over token-id documents.
 
+    The documents are consumed once, as they come: each one's ids go straight to the staged `tokens.u32`, so a
+    generator of documents is never held whole; the suffix array is then built from that file.
+
     Args:
         documents (`Iterable[Sequence[int]]`): token ids per document (responses, files, ...).
         out_dir (`str` or `Path`): directory to create (files are replaced).
@@ -88,39 +91,65 @@ def build_index(
     Returns:
         [`IndexHeader`]
     """
-    from pydivsufsort import divsufsort  # avoid importing the C library unless an index is built
-
-    chunks, num_documents = [], 0
-    for number, doc in enumerate(documents):
-        array = np.asarray(doc, dtype=np.int64)
-        if len(array) == 0:
-            continue
-        if array.min() < 0 or array.max() >= vocab_size:
-            raise ValueError(f"document {number} has token ids outside [0, {vocab_size})")
-        chunks.append(array.astype(np.uint32))
-        chunks.append(np.array([SEPARATOR], dtype=np.uint32))
-        num_documents += 1
-    if not chunks:
-        raise ValueError("no tokens to index: every document was empty")
-    tokens = np.concatenate(chunks)
-    del chunks
-    sa_dtype = "int32" if len(tokens) < 2**31 else "int64"
-    header = IndexHeader(
-        tokenizer_name, vocab_hash, int(vocab_size), len(tokens), num_documents, sa_dtype, sources or []
-    )
     from ...compress.export import staged_files
 
-    # the old header goes first and the new one last: an interrupted rebuild does not load, rather than pairing new
-    # tokens with an old suffix array
+    # the old header goes first and the new one last: an interrupted rebuild (or a bad document found half way)
+    # does not load, rather than pairing new tokens with an old suffix array
     with staged_files(out_dir, last=("header.json",)) as tmp:
-        tokens.astype("<u4").tofile(tmp / "tokens.u32")
-        suffix_array = divsufsort(np.ascontiguousarray(tokens[::-1]))
-        suffix_array.astype(sa_dtype).tofile(tmp / "sa.bin")
+        num_tokens, num_documents = write_token_stream(documents, tmp / "tokens.u32", vocab_size)
+        sa_dtype = "int32" if num_tokens < 2**31 else "int64"
+        header = IndexHeader(
+            tokenizer_name, vocab_hash, int(vocab_size), num_tokens, num_documents, sa_dtype, sources or []
+        )
+        tokens = np.memmap(tmp / "tokens.u32", dtype="<u4", mode="r")
+        suffix_array = reversed_suffix_array(tokens)
+        suffix_array.astype(sa_dtype, copy=False).tofile(tmp / "sa.bin")
         del suffix_array
-        counts = np.bincount(tokens[tokens != SEPARATOR].astype(np.int64), minlength=vocab_size)
-        np.save(tmp / "first.npy", np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        np.save(tmp / "first.npy", first_token_starts(tokens, vocab_size))
+        del tokens  # unmapped before the staged files move
         (tmp / "header.json").write_text(json.dumps(asdict(header), indent=1))
     return header
+
+
+def write_token_stream(documents: Iterable[Sequence[int]], path: Path, vocab_size: int) -> tuple[int, int]:
+    """Appends each non-empty document's ids to `path` (little-endian `uint32`), each followed by `SEPARATOR`, one
+    document at a time; returns `(stream length, number of documents)`. `ValueError` names a document whose ids are
+    not a flat sequence in `[0, vocab_size)`, and an input with no tokens at all."""
+    num_tokens, num_documents = 0, 0
+    separator = np.array([SEPARATOR], dtype="<u4").tobytes()
+    with open(path, "wb") as stream:
+        for number, doc in enumerate(documents):
+            array = np.asarray(doc, dtype=np.int64)
+            if array.size == 0:
+                continue
+            if array.ndim != 1:
+                raise ValueError(f"document {number} is not a flat sequence of token ids (shape {array.shape})")
+            if array.min() < 0 or array.max() >= vocab_size:
+                raise ValueError(f"document {number} has token ids outside [0, {vocab_size})")
+            stream.write(array.astype("<u4").tobytes())
+            stream.write(separator)
+            num_tokens += len(array) + 1
+            num_documents += 1
+    if not num_documents:
+        raise ValueError("no tokens to index: every document was empty")
+    return num_tokens, num_documents
+
+
+def reversed_suffix_array(tokens: np.ndarray) -> np.ndarray:
+    """Suffix array of `tokens` reversed (libdivsufsort on the big-endian bytes of the ids, through pydivsufsort)."""
+    from pydivsufsort import divsufsort  # avoid importing the C library unless an index is built
+
+    return divsufsort(np.ascontiguousarray(tokens[::-1], dtype="<u4"))
+
+
+def first_token_starts(tokens: np.ndarray, vocab_size: int, chunk: int = 1 << 24) -> np.ndarray:
+    """`int64[vocab_size + 1]`: where each first token's range starts in the suffix array (counts of each id,
+    separators left out, accumulated), counted `chunk` tokens at a time."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[start : start + chunk])
+        counts += np.bincount(part[part != SEPARATOR], minlength=vocab_size)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
 def resolve_index_dir(name_or_path: str | Path) -> Path:
