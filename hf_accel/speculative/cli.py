@@ -36,6 +36,7 @@ def _run_build(args) -> int:
     from ..loading import load_model_and_tokenizer, load_tokenizer
     from .drafters.build import (
         SELF_DISTILL_CACHE,
+        SELF_DISTILL_LOCK,
         build_index_from_documents,
         iter_dataset_documents,
         iter_text_file_documents,
@@ -50,7 +51,7 @@ def _run_build(args) -> int:
     out = check_output_path(args.out)  # a file is refused; a used index directory is rebuilt in place
     # an index's files (header.json goes first in a rebuild's swap) or a killed build's `.staging-*` leftovers
     entries = [p.name for p in out.iterdir() if not p.name.startswith(".staging-")] if out.is_dir() else []
-    if entries and not set(entries) & {*INDEX_FILES, SELF_DISTILL_CACHE}:
+    if entries and not set(entries) & {*INDEX_FILES, SELF_DISTILL_CACHE, SELF_DISTILL_LOCK}:
         raise ValueError(f"--out {args.out} holds files that are not an index: choose an empty or an index directory")
     missing = [path for path in args.text if not Path(path).is_file()]
     if missing:

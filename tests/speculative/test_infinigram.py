@@ -548,16 +548,18 @@ def test_two_self_distillations_rewriting_one_cache_at_once_both_finish(tmp_path
     def run():
         return build.self_distill(model, _CharTokenizer(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)
 
-    replace, other = os.replace, []
+    replace, other, waiting = os.replace, [], []
 
     def other_process_meanwhile(src, dst):
         if not other:  # the other process's whole run, once, while this one is about to swap its rewrite in
             other.append(None)
-            other[0] = run()
+            _run_now_or_when_the_cache_lock_is_free(tmp_path, lambda: other.__setitem__(0, run()), waiting)
         return replace(src, dst)
 
     monkeypatch.setattr(build.os, "replace", other_process_meanwhile)
     answers = run()
+    for thread in waiting:  # the other run waited for the cache lock, held from this one's re-read to its rename
+        thread.join()
     assert other == [answers] and answers[0] == [7, 7]
     records = [json.loads(line) for line in cache.read_text().splitlines()]
     assert sorted(r["question_id"] for r in records) == ["0", "1", "2"]
@@ -988,3 +990,61 @@ def test_building_an_index_does_not_hold_the_documents(tmp_path):
     assert header.num_tokens > 50000
     growth = traced[-1] - traced[10]
     assert growth < header.num_tokens  # the stream alone is 4 bytes a token
+
+
+def _run_now_or_when_the_cache_lock_is_free(cache_dir, job, waiting):
+    """Another process's `job` on the self-distillation cache of `cache_dir`, started at this moment: at once if the
+    cache lock is free, else in a thread that waits for it (appended to `waiting`, to be joined)."""
+    import threading
+
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(cache_dir / ".self_distill.jsonl.lock")
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:  # held by this process: the other one's reads and writes wait for it
+        waiting.append(threading.Thread(target=job))
+        waiting[-1].start()
+        return
+    lock.release()
+    job()
+
+
+def test_answers_appended_while_the_self_distillation_cache_is_rewritten_are_kept(tmp_path, monkeypatch):
+    """The cache is re-read, written to a temporary file and renamed over: another process's answers appended in
+    between were lost. A lock next to the cache (not published) makes appends and rewrites take turns."""
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.hub import DEFAULT_IGNORE_PATTERNS, _artifact_files
+    from hf_accel.speculative.drafters import build
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(seed=0)
+    mine = [BenchPrompt(question_id="0", category="t", text="abc")]
+    theirs = [BenchPrompt(question_id="1", category="t", text="hello")]
+    cache = tmp_path / build.SELF_DISTILL_CACHE
+    legacy = {"key": build._cache_key("", "abc", 4), "question_id": "0", "tokens": [7, 7]}  # makes this run rewrite
+    cache.write_text(json.dumps(legacy) + "\n")
+
+    def run(prompts):
+        return build.self_distill(model, _CharTokenizer(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)
+
+    replace, waiting, other = os.replace, [], []
+
+    def other_process_meanwhile(src, dst):
+        if Path(dst) == cache and not other:  # between this run's re-read and its rename
+            other.append(None)
+            _run_now_or_when_the_cache_lock_is_free(tmp_path, lambda: other.append(run(theirs)), waiting)
+        return replace(src, dst)
+
+    monkeypatch.setattr(build.os, "replace", other_process_meanwhile)
+    assert run(mine) == [[7, 7]]
+    for thread in waiting:
+        thread.join()
+    assert len(other) == 2
+    records = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert sorted(r["question_id"] for r in records) == ["0", "1"]
+    monkeypatch.setattr(model, "generate", lambda *args, **kwargs: pytest.fail("regenerated a cached answer"))
+    assert run(theirs) == other[1] and run(mine) == [[7, 7]]
+    assert (tmp_path / ".self_distill.jsonl.lock").exists()
+    published = [p.name for p in _artifact_files(tmp_path, DEFAULT_IGNORE_PATTERNS)]
+    assert build.SELF_DISTILL_CACHE in published and ".self_distill.jsonl.lock" not in published

@@ -9,7 +9,8 @@ Generation is batched (prompts sorted by length to limit padding), cached and re
 appended to `<out>/self_distill.jsonl` keyed by prompt text, model name and length cap, with a fingerprint of the
 model's weights, their dtype and its generation config (a directory re-saved with another model or another
 `generation_config.json`, or the model run in another dtype, regenerates its answers, which replace the old ones), and
-a rerun skips them. Answers cached by earlier versions, stamped with no fingerprint or with the weights' alone, are
+a rerun skips them. Processes sharing a cache take turns through a lock file beside it (`.self_distill.jsonl.lock`,
+not published). Answers cached by earlier versions, stamped with no fingerprint or with the weights' alone, are
 taken as the model's when the weights match.
 """
 
@@ -31,6 +32,10 @@ from .index import IndexHeader, build_index, tokenizer_fingerprint
 
 
 SELF_DISTILL_CACHE = "self_distill.jsonl"
+# Held while the cache is read (its repair may truncate it), appended to or rewritten: processes sharing one cache take
+# turns, so a rewrite cannot drop answers appended between its re-read and its rename. Not published (`hf-accel push`
+# leaves `.*.lock` files out).
+SELF_DISTILL_LOCK = f".{SELF_DISTILL_CACHE}.lock"
 
 
 def iter_text_file_documents(
@@ -229,9 +234,8 @@ def self_distill(
                 }
                 lines.append(json.dumps(records[key]) + "\n")
             cache_file.parent.mkdir(parents=True, exist_ok=True)  # not before: a failed first batch leaves nothing
-            # a whole batch in one unbuffered write: an interruption loses at most its tail, and another process
-            # appending at once cannot land inside it
-            with open(cache_file, "ab", buffering=0) as cache:
+            # a whole batch in one unbuffered write: an interruption loses at most its tail
+            with _cache_lock(cache_file), open(cache_file, "ab", buffering=0) as cache:
                 cache.write("".join(lines).encode("utf-8"))
             bar.update(len(batch))
     if rewrite:
@@ -242,26 +246,45 @@ def self_distill(
 def _rewrite_self_distill_cache(cache_file: Path, adopted: set[str], fingerprint: str, weights: str) -> None:
     """The cache rewritten with one record per key (the last one), the `adopted` keys' records without a fingerprint
     or with the weights-only one `weights` stamped `fingerprint`. It is read again first, so that answers another
-    process appended meanwhile are kept, and written atomically under a name of its own, with the file's permissions:
-    an interruption, or another process rewriting it at once, leaves a whole file."""
-    records, _ = _read_self_distill_cache(cache_file)
-    for key in adopted:
-        if key in records and records[key].get("model", weights) == weights:
-            records[key]["model"] = fingerprint
-    fd, tmp = tempfile.mkstemp(prefix=f".{cache_file.name}.", suffix=".tmp", dir=cache_file.parent)
-    try:
-        os.chmod(tmp, stat.S_IMODE(cache_file.stat().st_mode))  # mkstemp's file is private (0600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in records.values()))
-        os.replace(tmp, cache_file)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    process appended before are kept, and written atomically under a name of its own, with the file's permissions: an
+    interruption leaves a whole file. The cache lock is held from the re-read to the rename, so no other process
+    appends (or rewrites) in between."""
+    with _cache_lock(cache_file):
+        records, _ = _read_locked_self_distill_cache(cache_file)
+        for key in adopted:
+            if key in records and records[key].get("model", weights) == weights:
+                records[key]["model"] = fingerprint
+        fd, tmp = tempfile.mkstemp(prefix=f".{cache_file.name}.", suffix=".tmp", dir=cache_file.parent)
+        try:
+            os.chmod(tmp, stat.S_IMODE(cache_file.stat().st_mode))  # mkstemp's file is private (0600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in records.values()))
+            os.replace(tmp, cache_file)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _cache_lock(cache_file: Path):
+    """The inter-process lock of a self-distillation cache: [`SELF_DISTILL_LOCK`] beside it (its directory must exist).
+    Not reentrant across instances: a holder calls the `_locked` helpers."""
+    from filelock import FileLock
+
+    return FileLock(cache_file.parent / f".{cache_file.name}.lock")
 
 
 def _read_self_distill_cache(cache_file: Path) -> tuple[dict[str, dict], int]:
     """Records already in the cache, by key (the last one of a key wins), and the number of records read. A last line
     cut short by an interruption is dropped from the file, so that the next answer starts on a line of its own; a
-    whole record only missing its newline (a file saved by hand) gets one."""
+    whole record only missing its newline (a file saved by hand) gets one. Read under the cache lock: a line another
+    process is appending is not taken for a cut one."""
+    if not cache_file.is_file():  # no lock file is made for a cache that does not exist yet
+        return {}, 0
+    with _cache_lock(cache_file):
+        return _read_locked_self_distill_cache(cache_file)
+
+
+def _read_locked_self_distill_cache(cache_file: Path) -> tuple[dict[str, dict], int]:
+    """[`_read_self_distill_cache`] for a caller holding the cache lock."""
     if not cache_file.is_file():
         return {}, 0
     data = cache_file.read_bytes()
