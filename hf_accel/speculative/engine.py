@@ -397,9 +397,11 @@ class SpeculativeEngine:
             )
         if position_ids is None:
             position_ids = (state.prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        # Same inputs as `generate`'s own prefill (2D mask or None, cumsum positions), hence the same logits.
+        # Same inputs as `generate`'s own prefill (2D mask or None, cumsum positions), hence the same logits; like
+        # `generate`, only the last position's logits where the model's forward takes `logits_to_keep`
+        keep = {"logits_to_keep": 1} if _takes_logits_to_keep(self.model) else {}
         outputs = self._forward(
-            cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1
+            cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **keep
         )
         logits = outputs.logits[:, -1].float()
         scores = _process_scores(self.logits_processor, input_ids, logits)
@@ -604,6 +606,12 @@ def _position_offset(state) -> torch.LongTensor:
     """`[B_active]`: position of a row's first real token (0 unless the call gave `position_ids` starting elsewhere).
     Every pass adds as many positions as valid slots, so the difference stays what the prompt set."""
     return state.next_position - state.past_mask.sum(-1)
+
+
+def _takes_logits_to_keep(model) -> bool:
+    """Whether `model`'s forward names a `logits_to_keep` argument (transformers' own test before passing it; a
+    model whose forward predates it, e.g. older remote code, would raise on the unexpected keyword)."""
+    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
 
 def _gather_nodes(hidden: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:

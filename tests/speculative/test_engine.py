@@ -741,3 +741,26 @@ def test_greedy_identity_on_a_gpu(tree):
     reference = model.generate(**kwargs)
     for drafter in (ReferenceDrafter(reference, depth=5, tree=tree), build_drafter("ngram", None, model, None)):
         assert torch.equal(model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
+
+
+def test_a_model_whose_forward_takes_no_logits_to_keep_keeps_greedy_identity():
+    """`generate` passes `logits_to_keep` only to a forward that names it (older remote code does not): so does the
+    engine's prefill, instead of raising on the unexpected keyword."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class WithoutLogitsToKeep(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    inputs_embeds=None, use_cache=None, output_hidden_states=None, return_dict=None):  # fmt: skip
+            return super().forward(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                output_hidden_states=output_hidden_states,
+            )  # fmt: skip
+
+    torch.manual_seed(0)
+    model = WithoutLogitsToKeep(LlamaConfig(**TINY_CONFIG)).eval()
+    input_ids, attention_mask = _ragged_batch(2)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 10, "do_sample": False}
+    reference = model.generate(**kwargs)
+    out = model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(reference, tree=True))
+    assert torch.equal(out, reference)
