@@ -376,11 +376,20 @@ class SpeculativeEngine:
         return state.sequences[:, : state.prompt_length + generated]
 
     def _forward(self, cache, **inputs):
+        """One target pass. As in `generate`, the prompts may stay on another device than the model's (CPU inputs,
+        a model on a GPU): the pass's inputs go to the model's device, its logits and hidden states come back."""
         self.stats.target_forward_passes += 1
-        return self.model(
+        home, device = inputs["position_ids"].device, self.model.device
+        if device.type != "meta":  # accelerate's offloaded models move their inputs themselves
+            inputs = {name: _to_device(value, device) for name, value in inputs.items()}
+        outputs = self.model(
             past_key_values=cache, use_cache=True, output_hidden_states=bool(self.hidden_layers), return_dict=True,
             **inputs,
         )  # fmt: skip
+        outputs.logits = outputs.logits.to(home)
+        if outputs.hidden_states is not None:
+            outputs.hidden_states = tuple(h.to(home) for h in outputs.hidden_states)
+        return outputs
 
     def _prefill(self, state, input_ids, attention_mask, cache, position_ids):
         from transformers import DynamicCache
@@ -481,7 +490,8 @@ class SpeculativeEngine:
             key_positions = torch.cat([past_positions, positions], dim=1)
         mask = self._attention_mask(state, ancestors, node_valid, key_positions, drafted=parent.shape[1] > 1)
         if tree.num_aux:
-            embeds = self.model.get_input_embeddings()(tree_ids)
+            embedding = self.model.get_input_embeddings()
+            embeds = embedding(tree_ids.to(embedding.weight.device))
             inputs = {"inputs_embeds": torch.cat([embeds, tree.aux_embeds.to(embeds)], dim=1)}
         else:
             inputs = {"input_ids": tree_ids}
@@ -606,6 +616,13 @@ def _position_offset(state) -> torch.LongTensor:
     """`[B_active]`: position of a row's first real token (0 unless the call gave `position_ids` starting elsewhere).
     Every pass adds as many positions as valid slots, so the difference stays what the prompt set."""
     return state.next_position - state.past_mask.sum(-1)
+
+
+def _to_device(value, device):
+    """A tensor, or each tensor of a dict (one attention mask per layer type), on `device`; anything else as it is."""
+    if isinstance(value, dict):
+        return {key: _to_device(v, device) for key, v in value.items()}
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def _takes_logits_to_keep(model) -> bool:

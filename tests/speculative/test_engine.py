@@ -743,6 +743,22 @@ def test_greedy_identity_on_a_gpu(tree):
         assert torch.equal(model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prompts_on_the_cpu_for_a_model_on_a_gpu():
+    """`generate` takes CPU inputs for a model on a GPU (it moves each forward's inputs): so does the engine, whose
+    bookkeeping, like `generate`'s, stays on the inputs' device."""
+    from hf_accel.speculative.drafters import build_drafter
+
+    model = make_tiny_llama().cuda()
+    input_ids, attention_mask = _ragged_batch(4)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 24, "do_sample": False}
+    reference = model.generate(**kwargs)
+    assert reference.device.type == "cpu"
+    for drafter in (ReferenceDrafter(reference, depth=5, tree=True), build_drafter("ngram", None, model, None)):
+        out = model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+        assert out.device.type == "cpu" and torch.equal(out, reference)
+
+
 def test_a_model_whose_forward_takes_no_logits_to_keep_keeps_greedy_identity():
     """`generate` passes `logits_to_keep` only to a forward that names it (older remote code does not): so does the
     engine's prefill, instead of raising on the unexpected keyword."""
