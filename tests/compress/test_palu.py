@@ -431,3 +431,20 @@ def test_hadamard_rotates_both_key_and_value_latents(model, tokenizer):
         expected = apply_hadamard(latent.view(5, 2, -1)).view(5, -1)  # one rotation per group
         got = x @ getattr(rotated.model.layers[0].self_attn, name).weight.T
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", ["linear", "yarn", "llama3"])
+def test_full_rank_reproduces_original_logits_for_each_rope_type(tokenizer, rope):
+    """Past `original_max_position_embeddings` (40 positions against 16). Unquantized only: here the RoPE type moves
+    the logits by 2e-3 to 4e-3, 4-bit latents by 2e-2."""
+    from tests.models.test_care_modeling import ROPE_VARIANTS
+
+    wide = make_tiny_llama(**TINY, rope_parameters=dict(ROPE_VARIANTS[rope]), max_position_embeddings=64)
+    palu, _ = convert_palu(wide, tokenizer, kv_keep=1.0, group_size=2, calibration_text=CALIB_TEXT, **FAST)
+    ids = _ids(2, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(palu(ids).logits, wide(ids).logits, atol=2e-5, rtol=1e-4)
+    attention_mask = torch.ones(2, 8, dtype=torch.long)
+    attention_mask[0, :3] = 0
+    kwargs = {"input_ids": ids[:, :8], "attention_mask": attention_mask, "max_new_tokens": 30, "do_sample": False}
+    assert torch.equal(palu.generate(**kwargs), wide.generate(**kwargs))

@@ -231,3 +231,33 @@ def test_a_quantized_sources_quantization_config_is_not_passed_on(tmp_path):
     loaded.save_pretrained(tmp_path / "again")
     with torch.no_grad():
         torch.testing.assert_close(loaded(_ids()).logits, care(_ids()).logits, atol=1e-6, rtol=0)
+
+
+# RoPE types with fixed frequencies (dynamic and longrope change theirs at run time and are refused): a converted
+# model RoPEs cached keys at attention time, with the original's frequencies and attention scaling (yarn's)
+ROPE_VARIANTS = {
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "yarn": {
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+        "attention_factor": 1.7,
+    },
+    "llama3": {
+        "rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("rope", list(ROPE_VARIANTS))
+def test_full_rank_reproduces_original_logits_for_each_rope_type(family, rope):
+    """Past `original_max_position_embeddings` (40 positions against 16), where the scaled frequencies matter."""
+    model = make_tiny(family, rope_parameters=dict(ROPE_VARIANTS[rope]), max_position_embeddings=64)
+    care = convert_care(model, kv_keep=1.0, method="svd", progress=False)
+    ids = _ids(shape=(2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(care(ids).logits, model(ids).logits, atol=FULL_RANK_ATOL, rtol=0)
+    attention_mask = torch.ones(2, 8, dtype=torch.long)
+    attention_mask[0, :3] = 0
+    kwargs = {"input_ids": ids[:, :8], "attention_mask": attention_mask, "max_new_tokens": 30, "do_sample": False}
+    assert torch.equal(care.generate(**kwargs), model.generate(**kwargs))
