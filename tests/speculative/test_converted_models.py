@@ -147,3 +147,25 @@ def test_palu_quantized_cache_under_the_engine_on_a_gpu(backend):
     palu.config.palu_kernel_backend = backend
     _assert_speculative_identical(palu, rows=1)
     _assert_speculative_identical(palu, rows=2)
+
+
+@pytest.mark.parametrize("model_kind", ["care-sliding", "palu-window"])
+def test_closing_cache_holes_keeps_converted_models_identical(model_kind, windowed_palu, monkeypatch):
+    """Rows accepting very different numbers of tokens leave holes the engine closes (moving slots): CARE's keys are
+    RoPE'd by each slot's position, Palu's full-precision window follows its positions."""
+    from tests.speculative.test_engine import SkewedDrafter, count_hole_closings
+
+    closed = count_hole_closings(monkeypatch)
+    if model_kind == "palu-window":
+        model = windowed_palu
+    else:
+        tiny = make_tiny("mistral", sliding_window=6)
+        model = convert_care(tiny, kv_keep=0.5, calibration=tiny_calibration(tiny), progress=False)
+    input_ids, attention_mask = engine_ragged_batch(3)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 30, "do_sample": False}
+    reference = model.generate(**kwargs, pad_token_id=0)
+    out = model.generate(
+        **kwargs, pad_token_id=0, custom_generate=custom_generate, drafter=SkewedDrafter(reference, depth=5)
+    )
+    assert torch.equal(out, reference)
+    assert closed

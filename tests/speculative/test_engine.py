@@ -780,3 +780,69 @@ def test_a_model_whose_forward_takes_no_logits_to_keep_keeps_greedy_identity():
     reference = model.generate(**kwargs)
     out = model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(reference, tree=True))
     assert torch.equal(out, reference)
+
+
+class SkewedDrafter(ReferenceDrafter):
+    """Row 0 drafts its reference continuation (all accepted), the other rows a wrong first token (none accepted):
+    every pass leaves `depth` holes in the other rows."""
+
+    def propose(self, request):
+        trees = []
+        for b in range(len(request.rows)):
+            row, length = int(request.rows[b]), int(request.lengths[b])
+            chain = self.reference[row, length : length + self.depth].tolist()
+            if row != 0 and chain:
+                chain = [3 + (chain[0] - 2) % 94] + chain[1:]  # another token in [3, 97)
+            trees.append((chain, list(range(-1, len(chain) - 1))))
+        return DraftTree.from_parent_lists(trees)
+
+
+def count_hole_closings(monkeypatch) -> list:
+    """Spies on the engine's `_close_holes`: the returned list gets one entry per call that shortened the cache."""
+    from hf_accel.speculative import engine
+
+    closed, close = [], engine._close_holes
+
+    def spy(state, cache):
+        before = state.past_mask.shape[1]
+        close(state, cache)
+        if len(state.rows) and state.past_mask.shape[1] < before:
+            closed.append(before - state.past_mask.shape[1])
+
+    monkeypatch.setattr(engine, "_close_holes", spy)
+    return closed
+
+
+def test_close_holes_moves_valid_slots_to_the_end_in_order():
+    from types import SimpleNamespace
+
+    from transformers import DynamicCache
+
+    from hf_accel.speculative.engine import _close_holes
+
+    past_mask = torch.tensor([[0, 1, 1, 0, 1, 0, 0, 1], [1, 1, 1, 1, 1, 0, 1, 0]], dtype=torch.bool)
+    cache = DynamicCache()
+    slots = torch.arange(8.0).view(1, 1, 8, 1).expand(2, 2, 8, 3) + torch.tensor([0.0, 100.0]).view(2, 1, 1, 1)
+    cache.update(slots.clone(), -slots.clone(), 0)
+    state = SimpleNamespace(rows=torch.arange(2), past_mask=past_mask.clone())
+    _close_holes(state, cache)
+    # 6 valid slots at most: the cache keeps 6, each row's valid slots last and in order, its holes first
+    assert state.past_mask.tolist() == [[False, False, True, True, True, True], [True] * 6]
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    assert keys[0, 0, 2:, 0].tolist() == [1, 2, 4, 7] and keys[1, 0, :, 0].tolist() == [100, 101, 102, 103, 104, 106]
+    assert torch.equal(values, -keys)
+    # fewer holes than 1/8 of the slots: left as they are
+    state.past_mask[0, :2] = True
+    _close_holes(state, cache)
+    assert state.past_mask.shape[1] == 6 and cache.get_seq_length() == 6
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_closing_the_holes_of_rows_that_accept_less_keeps_greedy_identity(tiny_llama, monkeypatch, tree):
+    closed = count_hole_closings(monkeypatch)
+    input_ids, attention_mask = _ragged_batch(4)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 40, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs)
+    drafter = SkewedDrafter(reference, depth=6) if not tree else ReferenceDrafter(reference, depth=6, tree=True)
+    assert torch.equal(tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
+    assert closed
