@@ -403,6 +403,9 @@ def test_a_killed_build_is_rebuilt_and_its_staging_dir_removed(small_index, tmp_
         (lambda h: {k: v for k, v in h.items() if k != "vocab_size"}, "not a valid index header"),
         (lambda h: {**h, "sa_dtype": "nonsense"}, "not a valid index header"),
         (lambda h: {**h, "num_tokens": "12"}, "not a valid index header"),
+        (lambda h: {**h, "num_tokens": 0, "num_documents": 0}, "not a valid index header"),  # numpy: empty mmap
+        (lambda h: {**h, "num_documents": h["num_tokens"]}, "not a valid index header"),
+        (lambda h: {**h, "vocab_size": True}, "not a valid index header"),
         (None, "not valid JSON"),
     ],
 )

@@ -203,9 +203,12 @@ class InfinigramIndex:
         known = {f.name for f in fields(IndexHeader)}
         try:
             self.header = IndexHeader(**{k: v for k, v in raw.items() if k in known})
-            if self.header.sa_dtype not in ("int32", "int64") or not all(
-                isinstance(getattr(self.header, k), int) and getattr(self.header, k) >= 0
-                for k in ("num_tokens", "num_documents", "vocab_size")
+            counts = [getattr(self.header, k) for k in ("num_tokens", "num_documents", "vocab_size")]
+            # every index has a document and each document at least one token and its separator
+            if (
+                self.header.sa_dtype not in ("int32", "int64")
+                or not all(type(n) is int for n in counts)
+                or not (0 < self.header.num_documents < self.header.num_tokens and self.header.vocab_size > 0)
             ):
                 raise TypeError("bad sa_dtype or counts")
         except TypeError as err:
