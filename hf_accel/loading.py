@@ -57,19 +57,29 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model = type(quantized)(config)
     model.load_state_dict(quantized.state_dict(), strict=True)
     model.generation_config = quantized.generation_config
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():  # else another process finished the same conversion first
-            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _convert_default_model_once(out: Path) -> None:
+    """Runs [`_convert_gguf`] under a file lock: a second process waits for the first one's checkpoint instead of
+    converting again, and the staging folders a killed conversion left (`.NAME-*`, half a checkpoint each) are
+    removed, since no conversion can be running while the lock is held."""
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(out.parent / f".{out.name}.lock"):
+        if (out / "config.json").is_file():  # another process converted it while this one waited
+            return
+        for stale in out.parent.glob(f".{out.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        _convert_gguf(_gguf_path(), out)
 
 
 def looks_like_local_path(name: str) -> bool:
@@ -91,7 +101,7 @@ def resolve_model(name_or_path: str) -> str:
     if name_or_path == DEFAULT_MODEL:
         out = hf_accel_home() / "models" / DEFAULT_MODEL
         if not (out / "config.json").is_file():
-            _convert_gguf(_gguf_path(), out)
+            _convert_default_model_once(out)
         return str(out)
     if os.path.isdir(os.path.expanduser(name_or_path)):
         return os.path.expanduser(name_or_path)  # `~/...` as `--out` and index paths take it

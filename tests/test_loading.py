@@ -1,3 +1,4 @@
+import shutil
 import socket
 
 import pytest
@@ -121,3 +122,40 @@ def test_an_adapter_over_a_checkpoint_with_its_own_code_needs_trust_remote_code_
         load_model_and_tokenizer(str(tmp_path / "adapter"))
     model, _ = load_model_and_tokenizer(str(tmp_path / "adapter"), trust_remote_code=True)
     assert type(model).__name__ == "TinyLatentForCausalLM" and model.peft_config
+
+
+def test_the_default_model_is_converted_once_and_a_killed_conversions_folder_removed(tmp_path, monkeypatch):
+    import threading
+
+    from filelock import FileLock
+
+    from hf_accel import loading
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path))
+    models = tmp_path / "models"
+    stale = models / ".smollm2-135m-k1ll3d"  # what a conversion killed half way leaves
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    conversions = []
+
+    def fake_convert(gguf, out):
+        conversions.append(out)
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(loading, "_gguf_path", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(loading, "_convert_gguf", fake_convert)
+    # a second process holding the lock: this one waits, then finds its checkpoint and does not convert again
+    lock = FileLock(models / ".smollm2-135m.lock")
+    lock.acquire()
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(resolve_model("smollm2-135m")))
+    waiter.start()
+    fake_convert(None, models / "smollm2-135m")
+    lock.release()
+    waiter.join()
+    assert result == [str(models / "smollm2-135m")] and len(conversions) == 1 and stale.is_dir()
+    # a conversion that runs removes what a killed one left
+    shutil.rmtree(models / "smollm2-135m")
+    assert resolve_model("smollm2-135m") == str(models / "smollm2-135m")
+    assert len(conversions) == 2 and not stale.exists()
