@@ -492,7 +492,8 @@ class SpeculativeEngine:
         mask = self._attention_mask(state, ancestors, node_valid, key_positions, drafted=parent.shape[1] > 1)
         if tree.num_aux:
             embedding = self.model.get_input_embeddings()
-            embeds = embedding(tree_ids.to(embedding.weight.device))
+            weights = embedding.weight.device  # meta when accelerate offloads it: its hook moves the ids itself
+            embeds = embedding(tree_ids if weights.type == "meta" else tree_ids.to(weights))
             inputs = {"inputs_embeds": torch.cat([embeds, tree.aux_embeds.to(embeds)], dim=1)}
         else:
             inputs = {"input_ids": tree_ids}

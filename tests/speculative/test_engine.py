@@ -518,11 +518,18 @@ def test_ngram_drafter_drafts_in_transformers_assisted_loop(tiny_llama):
     assert torch.equal(out, reference) and max(sizes) > 0
 
 
-def test_hidden_states_and_auxiliary_inputs_reach_the_drafter(tiny_llama):
-    """A PPD-like drafter: aux embeddings under the last draft node; CP-like: last-layer hidden states."""
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_hidden_states_and_auxiliary_inputs_reach_the_drafter(tiny_llama, offloaded):
+    """A PPD-like drafter: aux embeddings under the last draft node; CP-like: last-layer hidden states. Offloaded
+    by accelerate, the model's weights are on the meta device and its hooks bring inputs to where it runs."""
     input_ids = torch.tensor([[5, 6, 7, 8]])
     reference = tiny_llama.generate(input_ids, max_new_tokens=10, do_sample=False)
-    embed = tiny_llama.get_input_embeddings().weight
+    embed = tiny_llama.get_input_embeddings().weight.detach().clone()
+    if offloaded:
+        from accelerate import cpu_offload
+
+        cpu_offload(tiny_llama, execution_device=torch.device("cpu"))
+        assert tiny_llama.device.type == "meta"
 
     class AuxDrafter(ReferenceDrafter):
         requires_hidden_states = (-1,)
