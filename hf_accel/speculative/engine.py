@@ -388,8 +388,11 @@ class SpeculativeEngine:
             **inputs,
         )  # fmt: skip
         outputs.logits = outputs.logits.to(home)
-        if outputs.hidden_states is not None:
-            outputs.hidden_states = tuple(h.to(home) for h in outputs.hidden_states)
+        if outputs.hidden_states is not None:  # only the layers the drafter reads come back
+            wanted = {i % len(outputs.hidden_states) for i in self.hidden_layers}
+            outputs.hidden_states = tuple(
+                h.to(home) if i in wanted else h for i, h in enumerate(outputs.hidden_states)
+            )
         return outputs
 
     def _prefill(self, state, input_ids, attention_mask, cache, position_ids):
