@@ -171,6 +171,7 @@ def collect_kv_calibration(
             handle.remove()
     if tokens == 0:
         raise ValueError("calibration saw no tokens (all padding?)")
+    check_finite_statistics(stats, with_output_grads, next(model.parameters()).dtype)
     return KvCalibration(
         moments=[c / tokens for c in stats["moments"]],
         abs_means=[a / tokens for a in stats["abs_sums"]],
@@ -178,6 +179,21 @@ def collect_kv_calibration(
         k_grad_moments=[g / tokens for g in stats["k_grads"]] if with_output_grads else None,
         v_grad_moments=[g / tokens for g in stats["v_grads"]] if with_output_grads else None,
     )
+
+
+def check_finite_statistics(stats: dict, with_output_grads: bool, dtype: torch.dtype) -> None:
+    """Refuses, in one line, calibration sums with an inf or NaN (activations or gradients that overflowed the
+    model's dtype): every factorization of them would fail inside `torch.linalg` or give non-finite weights."""
+    keys = ("moments", "abs_sums") + (("k_grads", "v_grads") if with_output_grads else ())
+    hint = "" if dtype == torch.float32 else "; calibrate the model in float32"
+    for key in keys:
+        for idx, total in enumerate(stats[key]):
+            if not torch.isfinite(total).all():
+                what = "loss gradients at k/v_proj" if key.endswith("grads") else "k/v_proj inputs"
+                raise ValueError(
+                    f"calibration statistics of layer {idx} are not finite: its {what} overflow (inf/NaN) in "
+                    f"{str(dtype).removeprefix('torch.')}{hint}"
+                )
 
 
 def _calibration_step(model, ids, mask, with_output_grads):

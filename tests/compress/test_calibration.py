@@ -1,5 +1,6 @@
 """K/V calibration statistics against a direct autograd oracle: padding is excluded, gradients are per token."""
 
+import pytest
 import torch
 
 from hf_accel.compress.calibration import collect_kv_calibration
@@ -52,3 +53,14 @@ def test_left_padding_leaves_the_statistics_of_real_tokens_unchanged():
     assert cal.tokens == 13
     for got, parts in ((cal.k_grad_moments[0], [r[2] for r in rows]), (cal.moments[0], [r[0] for r in rows])):
         torch.testing.assert_close(got, sum(parts) / 13, rtol=1e-3, atol=1e-9)
+
+
+def test_activations_that_overflow_are_refused_in_one_line():
+    """Inf/NaN activations (a model overflowing its dtype) give a ValueError naming the layer, not a failed eigh."""
+    model = make_tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].input_layernorm.weight[0] = float("inf")
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    for with_output_grads in (False, True):
+        with pytest.raises(ValueError, match="layer 1 are not finite"):
+            collect_kv_calibration(model, ids, with_output_grads=with_output_grads, progress=False)
