@@ -39,6 +39,23 @@ class KvCalibration:
     meta: dict = field(default_factory=dict)
 
 
+def check_calibration_fits(model, calibration: KvCalibration) -> None:
+    """Refuses, in one line, statistics that were collected on another model (another number of layers, hidden size
+    or K/V width): a reused [`KvCalibration`] with more layers than `model` would otherwise be used silently."""
+    attn_modules = _attention_layers(model)
+    k_proj, v_proj = attn_modules[0].k_proj, attn_modules[0].v_proj
+    pairs = [(calibration.moments, len(attn_modules), k_proj.in_features)]
+    if calibration.k_grad_moments is not None:
+        pairs.append((calibration.k_grad_moments, len(attn_modules), k_proj.out_features))
+        pairs.append((calibration.v_grad_moments, len(attn_modules), v_proj.out_features))
+    for moments, layers, width in pairs:
+        if len(moments) != layers or any(m.shape != (width, width) for m in moments):
+            raise ValueError(
+                f"the calibration does not fit this model ({len(moments)} layers of {tuple(moments[0].shape)} "
+                f"moments, the model needs {layers} of {(width, width)}): calibrate this model"
+            )
+
+
 def chunk_token_ids(token_ids: Sequence[int], num_samples: int, seq_len: int, seed: int | None = None) -> torch.Tensor:
     """Cuts `num_samples` non-overlapping windows of `seq_len` tokens out of one token stream.
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .calibration import KvCalibration, collect_kv_calibration
+from .calibration import KvCalibration, check_calibration_fits, collect_kv_calibration
 from .export import (
     atomic_output_dir,
     check_no_adapters,
@@ -339,6 +339,8 @@ def run_care_conversion(
     """Converts `model` with CARE; see [`convert_care`] for the arguments. Returns a [`CareResult`]."""
     config = config or CareConversionConfig()
     model_family(model)
+    if calibration is not None:
+        check_calibration_fits(model, calibration)
     start = time.perf_counter()
     if calibration is None and config.method != "svd":
         calibration = prepare_calibration(

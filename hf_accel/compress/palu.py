@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ..models.configuration_palu import KERNEL_BACKENDS
 from .calibration import (
+    check_calibration_fits,
     check_calibration_source,
     collect_kv_calibration,
     load_calibration_ids,
@@ -458,6 +459,10 @@ def convert_palu(
     n_kv, num_layers = cfg.num_key_value_heads, cfg.num_hidden_layers
     num_groups, width = n_kv // group_size, group_size * head_dim
     max_rank = min(width, cfg.hidden_size)  # the rank of a group's [hidden, width] projection
+    if calibration is not None:
+        check_calibration_fits(model, calibration)
+    if fisher_scores is not None and len(fisher_scores) != num_layers:
+        raise ValueError(f"fisher_scores has {len(fisher_scores)} (K, V) pairs, the model {num_layers} layers")
     start = time.perf_counter()
     input_ids = None
     if calibration is None or (conversion.ranks == "fisher" and fisher_scores is None):

@@ -416,3 +416,11 @@ def test_bench_care_caches_are_reused_only_with_the_settings_they_were_made_with
     with pytest.raises(SystemExit, match="was made with {'seed': 0}"):
         cached(path, {"seed": 1}, lambda: torch.zeros(2))
     assert cached(None, {"seed": 1}, lambda: "not saved") == "not saved"
+
+
+def test_a_calibration_of_another_model_is_refused():
+    """Reused statistics must come from this model: more layers than it has were used silently, fewer failed deep."""
+    model, other = make_tiny("llama"), make_tiny("llama", num_hidden_layers=3)
+    for calibration in (tiny_calibration(other), tiny_calibration(make_tiny("llama", hidden_size=64))):
+        with pytest.raises(ValueError, match="calibration does not fit this model"):
+            convert_care(model, kv_keep=0.5, method="care-u", calibration=calibration, progress=False)

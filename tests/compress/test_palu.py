@@ -448,3 +448,14 @@ def test_full_rank_reproduces_original_logits_for_each_rope_type(tokenizer, rope
     attention_mask[0, :3] = 0
     kwargs = {"input_ids": ids[:, :8], "attention_mask": attention_mask, "max_new_tokens": 30, "do_sample": False}
     assert torch.equal(palu.generate(**kwargs), wide.generate(**kwargs))
+
+
+def test_a_calibration_or_fisher_scores_of_another_model_are_refused(model, tokenizer):
+    from tests.compress.care_helpers import tiny_calibration
+
+    other = make_tiny_llama(**dict(TINY, num_hidden_layers=3))
+    common = dict(kv_keep=0.5, group_size=2, calibration_text=CALIB_TEXT, **FAST)
+    with pytest.raises(ValueError, match="calibration does not fit this model"):
+        convert_palu(model, tokenizer, ranks="uniform", calibration=tiny_calibration(other), **common)
+    with pytest.raises(ValueError, match="fisher_scores has 3"):
+        convert_palu(model, tokenizer, ranks="fisher", fisher_scores=[(1.0, 1.0)] * 3, **common)
