@@ -39,6 +39,17 @@ class KvCalibration:
     meta: dict = field(default_factory=dict)
 
 
+def check_calibration_ids(input_ids, min_len: int = 2) -> None:
+    """Refuses, in one line, calibration ids that are not a `[num_samples, seq_len]` integer tensor with `seq_len ≥
+    min_len` (a loss, for gradients or Fisher scores, needs two tokens: with one, every gradient is zero)."""
+    ok = isinstance(input_ids, torch.Tensor) and not input_ids.is_floating_point() and input_ids.dim() == 2
+    if not ok or input_ids.shape[1] < min_len:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(
+            f"calibration ids must be an integer tensor [num_samples, seq_len] with seq_len >= {min_len}, got {shape}"
+        )
+
+
 def check_calibration_fits(model, calibration: KvCalibration) -> None:
     """Refuses, in one line, statistics that were collected on another model (another number of layers, hidden size
     or K/V width): a reused [`KvCalibration`] with more layers than `model` would otherwise be used silently."""
@@ -159,6 +170,7 @@ def collect_kv_calibration(
     Returns:
         [`KvCalibration`] with per-token averages.
     """
+    check_calibration_ids(input_ids, 2 if with_output_grads else 1)
     attn_modules = _attention_layers(model)
     d_in = attn_modules[0].k_proj.in_features
     d_k, d_v = attn_modules[0].k_proj.out_features, attn_modules[0].v_proj.out_features

@@ -132,6 +132,9 @@ def collect_fisher_scores(model, input_ids: torch.Tensor, progress: bool = True)
     Returns:
         `list[tuple[float, float]]`, one pair per layer.
     """
+    from .calibration import check_calibration_ids
+
+    check_calibration_ids(input_ids)  # a one-token row has no loss: all-zero scores
     projections = [(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in model.model.layers]
     weights = [proj.weight for pair in projections for proj in pair]
     was_grad = [p.requires_grad for p in model.parameters()]

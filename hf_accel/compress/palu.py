@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from ..models.configuration_palu import KERNEL_BACKENDS
 from .calibration import (
     check_calibration_fits,
+    check_calibration_ids,
     check_calibration_source,
     collect_kv_calibration,
     load_calibration_ids,
@@ -390,6 +391,7 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
 
 def _read_calibration(model, tokenizer, calibration_text, calibration_ids, conversion):
     if calibration_ids is not None:
+        check_calibration_ids(calibration_ids)  # like calib_seq_len ≥ 2, before any work
         return calibration_ids
     if not calibration_text:
         raise ValueError(

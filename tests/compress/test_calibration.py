@@ -64,3 +64,11 @@ def test_activations_that_overflow_are_refused_in_one_line():
     for with_output_grads in (False, True):
         with pytest.raises(ValueError, match="layer 1 are not finite"):
             collect_kv_calibration(model, ids, with_output_grads=with_output_grads, progress=False)
+
+
+def test_calibration_ids_must_be_rows():
+    model = make_tiny_llama()
+    with pytest.raises(ValueError, match=r"\[num_samples, seq_len\] with seq_len >= 1, got \(16,\)"):
+        collect_kv_calibration(model, torch.arange(3, 19), progress=False)
+    with pytest.raises(ValueError, match="seq_len >= 2"):  # a loss needs two tokens
+        collect_kv_calibration(model, torch.arange(3, 7)[:, None], with_output_grads=True, progress=False)

@@ -459,3 +459,14 @@ def test_a_calibration_or_fisher_scores_of_another_model_are_refused(model, toke
         convert_palu(model, tokenizer, ranks="uniform", calibration=tiny_calibration(other), **common)
     with pytest.raises(ValueError, match="fisher_scores has 3"):
         convert_palu(model, tokenizer, ranks="fisher", fisher_scores=[(1.0, 1.0)] * 3, **common)
+
+
+def test_calibration_ids_that_are_not_rows_of_two_tokens_are_refused(model):
+    """1-D ids died inside the model's attention; one-token rows gave all-zero Fisher scores and a silent even split."""
+    from hf_accel.compress.fisher import collect_fisher_scores
+
+    for ids in (_ids(length=12)[0], _ids(length=1), _ids().tolist()):
+        with pytest.raises(ValueError, match=r"calibration ids must be an integer tensor \[num_samples, seq_len\]"):
+            convert_palu(model, None, kv_keep=0.5, ranks="fisher", calibration_ids=ids, progress=False)
+    with pytest.raises(ValueError, match="seq_len >= 2"):
+        collect_fisher_scores(model, _ids(length=1), progress=False)
