@@ -84,8 +84,9 @@ def factorize(
 ) -> LowRankFactors:
     """Full SVD of `S W` (or `S W B`), returned as down/up factors of `W` (all ranks; truncate later).
 
-    With an output weighting `B` the truncation minimises `‖S (W − Ŵ) B‖_F`: `S W B = U Σ Vᵀ`, `down = S⁻¹ U Σ`,
-    `up = Vᵀ B⁻¹`.
+    With an output weighting `B` the truncation minimises `‖S (W − Ŵ) B‖_F`: `S W B = U Σ Vᵀ`, `down = S⁻¹ U Σ / β`,
+    `up = β Vᵀ B⁻¹` with `β = ‖B‖₂`, so that the scale of `B` (loss gradients can be tiny) stays in `sigma` and out of
+    the factors, which a float16 checkpoint could not hold.
 
     Args:
         weight (`torch.Tensor` of shape `[in, out]`): `W = linear.weight.T`.
@@ -113,7 +114,10 @@ def factorize(
     u, sigma, vt = torch.linalg.svd(scaled, full_matrices=False)  # u [in, R], sigma [R], vt [R, out]
     down = u * sigma
     down = down if unscale is None else unscale(down)
-    up = vt if out_scale is None else vt @ out_inv
+    up = vt
+    if out_scale is not None:
+        beta = torch.linalg.matrix_norm(out_scale.double(), ord=2)
+        down, up = down / beta, beta * (vt @ out_inv)
     return LowRankFactors(down=down, up=up, sigma=sigma)
 
 

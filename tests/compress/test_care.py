@@ -424,3 +424,16 @@ def test_a_calibration_of_another_model_is_refused():
     for calibration in (tiny_calibration(other), tiny_calibration(make_tiny("llama", hidden_size=64))):
         with pytest.raises(ValueError, match="calibration does not fit this model"):
             convert_care(model, kv_keep=0.5, method="care-u", calibration=calibration, progress=False)
+
+
+def test_float16_model_calibrated_on_one_repeated_token_converts():
+    """One repeated token makes every key identical, so the loss gradient at k_proj vanishes (G ≈ 1e-20): √G's inverse
+    went into k_up (≈ 1e10), past float16's range, and the conversion failed with 'non-finite values'."""
+    from hf_accel.compress.calibration import collect_kv_calibration
+
+    model = make_tiny("llama").to(torch.float16)
+    calibration = collect_kv_calibration(model, torch.full((1, 4), 5), with_output_grads=True, progress=False)
+    care = convert_care(model, kv_keep=1.0, calibration=calibration, progress=False)
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(care(ids).logits, model(ids).logits, atol=5e-3, rtol=0)

@@ -140,3 +140,18 @@ def test_two_sided_with_a_non_symmetric_output_weighting():
     down, up = f.truncate(2)
     err = (((w - down @ up) @ b) ** 2).sum()
     assert torch.allclose(err, (torch.linalg.svdvals(w @ b)[2:] ** 2).sum(), rtol=1e-8)
+
+
+def test_two_sided_factors_do_not_carry_the_scale_of_the_output_weighting():
+    """A tiny B (loss gradients of 1e-10, or none: a calibration of one repeated token) stays in sigma: the factors
+    keep the weight's scale, so a float16 checkpoint holds them."""
+    x, w = _random_problem(seed=5)
+    s, s_inv = symmetric_sqrt(x.T @ x / x.shape[0])
+    b = torch.randn(w.shape[1], w.shape[1], generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    b = b @ b.T + torch.eye(w.shape[1], dtype=torch.float64)
+    ref = factorize(w, s, s_inv, b, torch.linalg.inv(b))
+    tiny = factorize(w, s, s_inv, 1e-10 * b, 1e10 * torch.linalg.inv(b))
+    torch.testing.assert_close(tiny.sigma, 1e-10 * ref.sigma)  # gains in loss units
+    torch.testing.assert_close(tiny.down, ref.down)
+    torch.testing.assert_close(tiny.up, ref.up)
+    assert tiny.up.abs().max() < 1e3 and torch.allclose(tiny.down @ tiny.up, w, atol=1e-9)
