@@ -68,6 +68,7 @@ class CareConversionConfig:
         if self.method not in METHODS:
             raise ValueError(f"unknown CARE method {self.method!r}; choose one of {', '.join(METHODS)}")
         budget_from_kv_keep([1], self.kv_keep)  # validates kv_keep
+        self.kv_keep = float(self.kv_keep)  # a numpy float would not go into the saved JSON
         check_shrinkage(self.alpha, self.lam_frac)
         if not 0.0 <= self.rank_floor_frac <= self.kv_keep:  # floors above the budget: water-filling has no solution
             raise ValueError(f"rank_floor_frac must be in [0, kv_keep={self.kv_keep}], got {self.rank_floor_frac}")

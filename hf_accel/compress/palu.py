@@ -43,7 +43,7 @@ from .export import (
 )
 from .factorize import check_shrinkage, factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
-from .ranks import water_fill
+from .ranks import budget_from_kv_keep, water_fill
 
 
 RANK_METHODS = ("uniform", "fisher", "kfac")
@@ -88,10 +88,8 @@ class PaluConversionConfig:
     seed: int = field(default=3, metadata={"help": "Seed of the calibration window sampling."})
 
     def __post_init__(self):
-        if not (isinstance(self.kv_keep, (int, float)) and 0.0 < self.kv_keep <= 1.0):
-            raise ValueError(
-                f"kv_keep must be in (0, 1] (the fraction of the K+V cache to keep), got {self.kv_keep!r}"
-            )
+        budget_from_kv_keep([1], self.kv_keep)  # validates kv_keep
+        self.kv_keep = float(self.kv_keep)  # a numpy float would not go into the saved JSON
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
             raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
         if self.ranks not in RANK_METHODS:

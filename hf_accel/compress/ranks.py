@@ -9,6 +9,7 @@ gains are taken. Ties go to the lower matrix index (lower layer first, then K be
 """
 
 import heapq
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -16,7 +17,7 @@ import torch
 
 def budget_from_kv_keep(widths: Sequence[int], kv_keep: float) -> int:
     """Total latent width `round(kv_keep · Σ widths)`; raises `ValueError` for `kv_keep` outside (0, 1]."""
-    if not (isinstance(kv_keep, (int, float)) and 0.0 < kv_keep <= 1.0):
+    if not (isinstance(kv_keep, numbers.Real) and 0.0 < kv_keep <= 1.0):  # numpy floats too
         raise ValueError(f"kv_keep must be in (0, 1] (the fraction of the K+V cache to keep), got {kv_keep!r}")
     return max(len(widths), round(kv_keep * sum(widths)))
 

@@ -437,3 +437,23 @@ def test_float16_model_calibrated_on_one_repeated_token_converts():
     ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(care(ids).logits, model(ids).logits, atol=5e-3, rtol=0)
+
+
+def test_a_numpy_kv_keep_is_taken_as_a_float():
+    """`kv_keep` from a numpy grid (np.float32) was refused as 'must be in (0, 1], got np.float32(0.5)'; it is a
+    fraction like any other, stored as a plain float so that the saved JSON can hold it."""
+    import json
+
+    import numpy as np
+
+    from hf_accel.compress.palu import PaluConversionConfig
+
+    config = CareConversionConfig(kv_keep=np.float32(0.5))
+    assert type(config.kv_keep) is float and json.dumps(config.kv_keep) == "0.5"
+    palu = PaluConversionConfig(kv_keep=np.float32(0.5))
+    assert type(palu.kv_keep) is float and palu.kv_keep == 0.5
+    for bad in (np.float32(1.5), "0.5", None):
+        with pytest.raises(ValueError, match="kv_keep must be in"):
+            CareConversionConfig(kv_keep=bad)
+        with pytest.raises(ValueError, match="kv_keep must be in"):
+            PaluConversionConfig(kv_keep=bad)
