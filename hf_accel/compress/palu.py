@@ -791,10 +791,11 @@ def _run_convert_palu(args) -> int:
         "base_cache_bytes_per_token": info["base_cache_bytes_per_token"],
         "timings": info["timings"],
     }
-    if info["kv_keep_achieved"] > 1.05 * args.kv_keep:  # every group keeps at least one rank multiple
+    # every group keeps at least one rank multiple, and at most the largest multiple within its width
+    if abs(info["kv_keep_achieved"] - args.kv_keep) > 0.05 * args.kv_keep:
         print(
             f"warning: ranks in multiples of {args.rank_multiple} keep {info['kv_keep_achieved']:.3g} of the cache, "
-            f"not {args.kv_keep:g}; a smaller --rank-multiple gets closer",
+            f"not {args.kv_keep:g}; a smaller --rank-multiple, or one that divides the group width, gets closer",
             file=sys.stderr,
         )
     if args.json:

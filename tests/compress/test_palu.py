@@ -319,6 +319,10 @@ def test_cli_convert_palu_generated_calibration(tmp_path, model, tokenizer, caps
     assert "warning: ranks in multiples of 8 keep 0.5 of the cache, not 0.05" in captured.err
     lines = {line.split(":")[0].strip(): line.split(":", 1)[1].strip() for line in captured.out.splitlines()}
     assert lines["kv_keep_achieved"] == "0.5" and lines["timings"].startswith("calibration_s ")
+    # and a full budget in multiples that do not divide the group width (16) stays below it, also said so
+    full = [a if a != "0.5" else "1.0" for a in argv[:-1]] + ["--rank-multiple", "3", "--overwrite"]
+    assert main(full) == 0
+    assert "warning: ranks in multiples of 3 keep 0.938 of the cache, not 1" in capsys.readouterr().err
 
 
 def test_calibration_ids_replace_text(model, tokenizer):
