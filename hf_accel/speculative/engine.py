@@ -35,10 +35,10 @@ Rows accept different numbers of tokens. The cache stays rectangular: each pass 
 slots to every row and a per-row validity mask (`past_mask`) hides the unused ones ("holes"), exactly like left
 padding; once holes fill 1/8 of the cache, every row's valid slots are moved, in order, to its end
 ([`_close_holes`]). Position ids count only real tokens, so each row sees the same positions as in an unpadded run.
-Finished rows are removed from the batch (cache rows dropped) instead of being carried along as padding. A model that RoPEs
-*cached* keys at attention time (latent caches: CARE, Palu) cannot tell a slot's position from its index once there
-are holes; if it sets `_accepts_key_positions = True`, each pass also gets `key_positions` `[B, cache + new]`, the
-position of every slot (holes: any value, they are masked).
+Finished rows are removed from the batch (cache rows dropped) instead of being carried along as padding. A model that
+RoPEs *cached* keys at attention time (latent caches: CARE, Palu) cannot tell a slot's position from its index once
+there are holes; if it sets `_accepts_key_positions = True`, each pass also gets `key_positions`
+`[B, cache + new]`, the position of every slot (holes: any value, they are masked).
 
 ## Sliding windows
 
