@@ -47,6 +47,7 @@ DEFAULT_IGNORE_PATTERNS = (
     ".staging-*",
     ".staging-*/*",
     ".*.tmp",  # a write cut short (the perplexity history is written to `.ppl_history.json.tmp`, then renamed)
+    ".*.incomplete",  # the same, by `compress.export.replace_atomically` (a self-distillation cache's rewrite)
     ".*.lock",  # an inter-process lock (the self-distillation cache's `.self_distill.jsonl.lock`)
 )
 # Weight files: a re-push deletes the repository's ones the artifact no longer has (a stale `model.safetensors` beside

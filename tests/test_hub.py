@@ -376,11 +376,12 @@ def test_push_points_custom_generate_at_the_repository(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: [])
     (artifact / ".ppl_history.json.tmp").write_text("{")  # a write cut short is not published
+    (artifact / ".self_distill.jsonl.123.incomplete").write_text("{")  # nor one of `replace_atomically`
     push_to_hub(artifact, "idx", token="hf_unused")
     [(repo_id, operations)] = commits
     files = {op.path_in_repo: op for op in operations}
     assert repo_id == "me/idx" and {"README.md", "header.json", "custom_generate/requirements.txt"} <= set(files)
-    assert ".ppl_history.json.tmp" not in files
+    assert ".ppl_history.json.tmp" not in files and ".self_distill.jsonl.123.incomplete" not in files
     generate = files["custom_generate/generate.py"].path_or_fileobj
     assert "ARTIFACT = 'me/idx'" in (generate if isinstance(generate, bytes) else generate.read()).decode()
 

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import stat
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -246,22 +245,23 @@ def self_distill(
 def _rewrite_self_distill_cache(cache_file: Path, adopted: set[str], fingerprint: str, weights: str) -> None:
     """The cache rewritten with one record per key (the last one), the `adopted` keys' records without a fingerprint
     or with the weights-only one `weights` stamped `fingerprint`. It is read again first, so that answers another
-    process appended before are kept, and written atomically under a name of its own, with the file's permissions: an
+    process appended before are kept, and written atomically ([`replace_atomically`]) with the file's permissions: an
     interruption leaves a whole file. The cache lock is held from the re-read to the rename, so no other process
     appends (or rewrites) in between."""
+    from ...compress.export import replace_atomically
+
     with _cache_lock(cache_file):
         records, _ = _read_locked_self_distill_cache(cache_file)
         for key in adopted:
             if key in records and records[key].get("model", weights) == weights:
                 records[key]["model"] = fingerprint
-        fd, tmp = tempfile.mkstemp(prefix=f".{cache_file.name}.", suffix=".tmp", dir=cache_file.parent)
-        try:
-            os.chmod(tmp, stat.S_IMODE(cache_file.stat().st_mode))  # mkstemp's file is private (0600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write("".join(json.dumps(r) + "\n" for r in records.values()))
-            os.replace(tmp, cache_file)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        mode = stat.S_IMODE(cache_file.stat().st_mode)
+        replace_atomically(cache_file, _write_records, list(records.values()), mode)
+
+
+def _write_records(path: Path, records: list[dict], mode: int) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    os.chmod(path, mode)  # the cache's own, not the umask's (an index directory shared with a group)
 
 
 def _cache_lock(cache_file: Path):
