@@ -634,7 +634,7 @@ def write_palu_kernels_file(path: str | Path) -> Path:
 
 
 def save_palu(
-    palu_model, tokenizer, out_dir: str | Path, info: dict, base_model: str, overwrite: bool = False
+    palu_model, tokenizer, out_dir: str | Path, info: dict, base_model: str | None, overwrite: bool = False
 ) -> Path:
     """
     Save a converted model as a Hub-ready directory, atomically (temporary directory, then rename).
@@ -645,7 +645,8 @@ def save_palu(
 
     Args:
         palu_model: the converted model. tokenizer: its tokenizer. out_dir: the directory to create.
-        info (`dict`): what [`convert_palu`] returned. base_model (`str`): Hub id or alias of the original.
+        info (`dict`): what [`convert_palu`] returned. base_model (`str`): Hub id or alias of the original, named by
+            the card; `None` writes no card (a model without a Hub id), as [`save_care_model`] does.
         overwrite (`bool`, *optional*, defaults to `False`): replace an existing `out_dir`.
     """
     import json
@@ -669,6 +670,11 @@ def save_palu(
         card["base_kv_bytes_per_token"] = info["base_cache_bytes_per_token"]  # of a healed model ([`heal`])
         record = json.dumps(dict(info, card=card), indent=1, default=str)
         (tmp / "palu_ranks.json").write_text(record, encoding="utf-8")
+        if base_model is None:
+            palu_model.save_pretrained(tmp)  # with its remote code and a self-contained `palu_kernels.py`
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            return out
         save_artifact(
             tmp,
             "converted-model",

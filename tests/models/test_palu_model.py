@@ -281,6 +281,28 @@ def test_fresh_process_load_gives_same_logits(palu, tokenizer, tmp_path, block_h
     assert torch.equal(torch.load(tmp_path / "gen.pt"), expected)
 
 
+def test_save_palu_without_a_hub_id_writes_a_loadable_checkpoint_and_no_card(palu, tokenizer, tmp_path):
+    # `base_model=None` (a local model with no Hub id, as `save_care_model` takes it) failed deep in the card code
+    # with a TypeError; it writes the checkpoint, its code and record, and no card
+    from transformers import AutoModelForCausalLM
+
+    info = {
+        "settings": {
+            "kv_keep": 0.5, "group_size": 2, "ranks": "fisher", "quant_bits": palu.config.palu_quant_bits,
+            "quant_group_size": palu.config.palu_quant_group_size, "residual_length": 0, "hadamard": True,
+        },
+        "kv_keep_achieved": 0.5, "grouping": "G-LRD", "cache_bytes_per_token": 1, "base_cache_bytes_per_token": 2,
+    }  # fmt: skip
+    path = save_palu(palu, tokenizer, tmp_path / "palu", info, base_model=None)
+    assert not (path / "README.md").exists()
+    assert (path / "palu_ranks.json").is_file() and (path / "tokenizer.json").is_file()
+    assert "# ---- from hf_accel/kernels/quant.py ----" in (path / "palu_kernels.py").read_text()
+    loaded = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    ids = _ids(2, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, palu(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_static_cache_is_refused_on_float_latents(palu):
     # a static cache's empty slots would shift every cached key's RoPE position; the float path says so
     if palu.config.palu_quant_bits:
