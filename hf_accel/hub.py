@@ -98,7 +98,7 @@ def hub_base_model(name_or_path: str) -> str:
     from .loading import looks_like_local_path
 
     name = HUB_IDS.get(name_or_path, name_or_path)
-    if looks_like_local_path(name) or not name.strip("/"):
+    if not isinstance(name, str) or looks_like_local_path(name) or not name.strip("/"):
         raise ValueError(f"base_model must be a Hub id like ORG/NAME, got {name_or_path!r} (a local path?)")
     return name
 

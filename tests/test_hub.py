@@ -91,6 +91,9 @@ def test_card_refuses_a_local_path_as_base_model(tmp_path):
         write_model_card(tmp_path, "converted-model", str(tmp_path))
     with pytest.raises(ValueError, match="unknown artifact kind"):
         write_model_card(tmp_path, "nope", "org/name")
+    # no base at all (a local model's `None`): the same line, not a TypeError from the path check
+    with pytest.raises(ValueError, match="Hub id like ORG/NAME, got None"):
+        save_artifact(tmp_path / "artifact", "converted-model", None)
 
 
 def test_saved_artifact_loads_by_repo_id_from_an_offline_hub_cache(tmp_path):
