@@ -61,10 +61,13 @@ def _speculative_rows(model, tokenizer, drafter, max_new_tokens: int) -> list[di
 
     rows = []
     for i, prompt in enumerate(DEMO_PROMPTS):
-        messages = [{"role": "user", "content": prompt}]
-        inputs = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        if getattr(tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}]
+            inputs = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
+        else:  # a base model without a chat template continues the prompt as text, as `bench generate` runs it
+            inputs = tokenizer(prompt, return_tensors="pt")
         if i == 0:  # warm-up of both paths, excluded from the timings
             _timed_generate(model, inputs, 4)
             _timed_generate(model, inputs, 4, custom_generate=custom_generate, drafter=drafter)

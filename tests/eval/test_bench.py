@@ -179,6 +179,18 @@ def test_a_remote_code_checkpoint_without_trust_remote_code_is_one_line(tmp_path
     assert len(err) == 1 and "the demo runs plain transformers models" in err[0], err
 
 
+def test_the_demo_runs_a_model_without_a_chat_template(tmp_path, capsys):
+    # `--model` takes any plain model; one whose tokenizer has no chat template (a base model) stopped the demo with
+    # transformers' "tokenizer.chat_template is not set": its prompts are continued as text, as in `bench generate`
+    from tests.tiny_checkpoints import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path / "tiny")
+    capsys.readouterr()
+    assert main(["demo", "--model", str(model_dir), "--max-new-tokens", "4", "--no-convert", "--json"]) == 0
+    demo = json.loads(capsys.readouterr().out)
+    assert len(demo["speculative"]) == 3 and all(r["identical"] for r in demo["speculative"])
+
+
 def test_a_full_disk_is_one_line(monkeypatch, capsys):
     import errno
 
