@@ -41,8 +41,8 @@ _SOURCE_STAMP = ".demo_source_fingerprint"
 
 def add_cli(commands) -> None:
     demo = commands.add_parser("demo", help="run the embedded default model: speculative decoding and CARE")
-    demo.add_argument("--model", default="smollm2-135m")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
+    demo.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap of each demo prompt")
     demo.add_argument("--kv-keep", type=float, default=0.5, help="CARE budget (fraction of the K+V cache kept)")
     demo.add_argument("--no-convert", action="store_true", help="skip the CARE part")
     demo.add_argument("--json", action="store_true", help="print one JSON object")

@@ -703,8 +703,12 @@ def add_palu_parser(convert_commands) -> None:
         "--group-size", type=int, default=None,
         help="KV heads per group (must divide the KV heads; default: the largest divisor of them ≤ 4)",
     )  # fmt: skip
-    parser.add_argument("--ranks", choices=RANK_METHODS, default="fisher")
-    parser.add_argument("--quant-bits", type=int, choices=QUANT_BITS, default=0)
+    parser.add_argument(
+        "--ranks", choices=RANK_METHODS, default="fisher", help="rank allocation over groups and layers"
+    )
+    parser.add_argument(
+        "--quant-bits", type=int, choices=QUANT_BITS, default=0, help="0: float latents; else per-token codes"
+    )
     parser.add_argument(
         "--quant-group-size",
         type=int,
@@ -719,10 +723,12 @@ def add_palu_parser(convert_commands) -> None:
     parser.add_argument(
         "--calib", default="generated", help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]"
     )
-    parser.add_argument("--calib-samples", type=int, default=64)
-    parser.add_argument("--calib-seq-len", type=int, default=256)
-    parser.add_argument("--fisher-samples", type=int, default=16)
-    parser.add_argument("--rank-multiple", type=int, default=8)
+    parser.add_argument("--calib-samples", type=int, default=64, help="calibration sequences")
+    parser.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
+    parser.add_argument(
+        "--fisher-samples", type=int, default=16, help="calibration sequences for the Fisher scores (--ranks fisher)"
+    )
+    parser.add_argument("--rank-multiple", type=int, default=8, help="every group rank is a multiple of this")
     parser.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
     parser.add_argument("--out", required=True, help="output directory (written atomically)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier checkpoint in --out")

@@ -16,8 +16,8 @@ def add_cli(commands) -> None:
     build.add_argument("--out", required=True, help="index directory to write")
     build.add_argument("--text", nargs="+", default=[], help="plain text files (one document each)")
     build.add_argument("--dataset", help="a `datasets` dataset (save_to_disk directory, data files, or Hub id)")
-    build.add_argument("--split", default="train")
-    build.add_argument("--text-column", default="text")
+    build.add_argument("--split", default="train", help="the dataset split (with --dataset)")
+    build.add_argument("--text-column", default="text", help="the dataset column holding the text")
     build.add_argument(
         "--self-distill", nargs="+", default=[], metavar="PROMPTS",
         help="prompt sets (Spec-Bench JSONL, `humaneval`, or a built-in set) the model answers, its answers indexed; "
@@ -25,7 +25,7 @@ def add_cli(commands) -> None:
     )  # fmt: skip
     build.add_argument("--max-new-tokens", type=int, default=256, help="self-distill: answer length cap")
     build.add_argument("--batch-size", type=int, default=8, help="self-distill: prompts per generate call")
-    build.add_argument("--trust-remote-code", action="store_true")
+    build.add_argument("--trust-remote-code", action="store_true", help="needed for converted checkpoints")
     build.add_argument("--json", action="store_true", help="print one JSON object")
     build.set_defaults(func=_run_build)
 
