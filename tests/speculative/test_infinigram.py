@@ -1051,3 +1051,33 @@ def test_answers_appended_while_the_self_distillation_cache_is_rewritten_are_kep
     assert (tmp_path / ".self_distill.jsonl.lock").exists()
     published = [p.name for p in _artifact_files(tmp_path, DEFAULT_IGNORE_PATTERNS)]
     assert build.SELF_DISTILL_CACHE in published and ".self_distill.jsonl.lock" not in published
+
+
+def test_a_drafter_serving_two_threads_learns_each_pass_from_its_own_proposal():
+    """One drafter shared by `generate` calls in two threads (the Hub loader caches one per model): a pass's result
+    is matched with the proposal made in its own thread, not the other thread's latest (whose tree may be smaller:
+    IndexError in `update`)."""
+    import threading
+
+    from hf_accel.speculative.engine import DraftRequest, VerifyResult
+
+    drafter = InfinigramDrafter(None, config=InfinigramConfig(threshold=0.0))
+    drafter.cost_model.observe(1, 0.01)  # a plain pass was measured: the drafter drafts
+
+    def request(context):
+        ids = torch.tensor([context])
+        return DraftRequest(ids, torch.tensor([len(context)]), len(context), torch.ones_like(ids), torch.tensor([0]),
+                            torch.tensor([32]), False)  # fmt: skip
+
+    long_tree = drafter.propose(request([5, 6, 7, 8, 9, 10, 11, 12, 5]))  # this thread: a chain of 8
+    short_tree = []
+    other = threading.Thread(target=lambda: short_tree.append(drafter.propose(request([3, 4, 3]))))
+    other.start()
+    other.join()
+    assert long_tree.num_nodes == 8 and short_tree[0].num_nodes < 8
+    before = [row[:] for row in drafter.calibrator.drafted]
+    rows, best, path = torch.tensor([0]), torch.tensor([5]), torch.tensor([7])  # nodes 0-5 accepted
+    result = VerifyResult(rows, [[6, 7, 8, 9, 10, 11, 12]], best, path, torch.tensor([False]), num_input_tokens=9)
+    drafter.update(result)
+    observed = sum(map(sum, drafter.calibrator.drafted)) - 0.995 * sum(map(sum, before))
+    assert observed == pytest.approx(8)  # this thread's eight nodes

@@ -30,6 +30,7 @@ the smallest token id (B.4); the confidence is the drafter's own empirical proba
 """
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -228,7 +229,9 @@ class InfinigramDrafter:
         self.config = config or InfinigramConfig()
         self.cost_model = PassCostModel(self.config.verify_cost, adaptive=self.config.adaptive_cost)
         self.calibrator = AcceptanceCalibrator() if self.config.calibrate else None
-        self._proposed = {}  # original row -> (parents, scores) of the nodes proposed in the pending pass
+        # per thread (one drafter may serve `generate` calls in several threads, as the Hub loader's cached one does):
+        # original row -> (parents, scores) of the nodes proposed in that thread's pending pass
+        self._proposed = {}
         self.last_stats = None
 
     def propose(self, request) -> DraftTree | None:
@@ -241,13 +244,13 @@ class InfinigramDrafter:
             drafts.append(self.draft_row(context, depth, cfg.max_nodes) if depth > 0 else ([], [], []))
         probabilities = [self._calibrated(scores, parents) for _, parents, scores in drafts]
         width = choose_tree_width(probabilities, self.cost_model, cfg.max_nodes)
-        self._proposed = {}
+        proposed = self._proposed[threading.get_ident()] = {}
         if width == 0 or self.cost_model.needs_anchor(batch_size):
             return None  # no draft worth its cost, or the cost of a plain pass was never measured: measure it
         # Each row's nodes are in decreasing-score order, closed under parents: a prefix is a subtree.
         trees = [(tokens[:width], parents[:width]) for tokens, parents, _ in drafts]
         for b, (_, parents, scores) in enumerate(drafts):
-            self._proposed[int(request.rows[b])] = (parents[:width], scores[:width])
+            proposed[int(request.rows[b])] = (parents[:width], scores[:width])
         return DraftTree.from_parent_lists(trees, device=request.sequences.device)
 
     def _calibrated(self, scores: list[float], parents: list[int]) -> list[float]:
@@ -262,10 +265,11 @@ class InfinigramDrafter:
         self.cost_model.observe(result.num_input_tokens, result.pass_seconds)
         if self.calibrator is None:
             return
+        proposed = self._proposed.get(threading.get_ident(), {})
         for b, row in enumerate(result.rows.tolist()):
-            if row not in self._proposed:
+            if row not in proposed:
                 continue
-            parents, scores = self._proposed[row]
+            parents, scores = proposed[row]
             on_path, node = set(), int(result.best_node[b])
             while node >= 0:  # the accepted nodes are the best node's ancestors
                 on_path.add(node)
