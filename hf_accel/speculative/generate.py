@@ -16,7 +16,9 @@ in its signature (here `drafter`). It does *not* forward `streamer` to a callabl
 this function finds the streamer of the enclosing `generate` call itself; see [`_find_streamer`].
 """
 
+import functools
 import inspect
+import threading
 import time
 
 import torch
@@ -303,12 +305,33 @@ def assisted_generate(
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)
     candidate_generator = DrafterCandidateGenerator(drafter, generation_config, input_ids.shape[1])
     # `_assisted_decoding` builds its generator with `_get_candidate_generator`; shadow that method on this instance
-    # for the duration of the call (transformers 5.23 has no public hook to pass a CandidateGenerator in).
-    model._get_candidate_generator = lambda *args, **kwargs: candidate_generator
+    # while calls are in flight (transformers 5.23 has no public hook to pass a CandidateGenerator in), each thread
+    # getting its own call's generator
+    _assisted_call.generator = candidate_generator
+    with _shadow_lock:
+        if not _calls_in_flight.get(id(model)):
+            model._get_candidate_generator = functools.partial(_this_threads_candidate_generator, model)
+        _calls_in_flight[id(model)] = _calls_in_flight.get(id(model), 0) + 1
     try:
         return model._assisted_decoding(
             input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
         )  # fmt: skip
     finally:
-        del model._get_candidate_generator
+        _assisted_call.generator = None
+        with _shadow_lock:
+            _calls_in_flight[id(model)] -= 1
+            if not _calls_in_flight[id(model)]:
+                del _calls_in_flight[id(model)], model._get_candidate_generator
+
+
+_assisted_call = threading.local()  # `.generator`: the candidate generator of this thread's `assisted_generate`
+_calls_in_flight: dict[int, int] = {}  # id(model) -> its `assisted_generate` calls in flight, in any thread
+_shadow_lock = threading.Lock()
+
+
+def _this_threads_candidate_generator(model, *args, **kwargs):
+    """What a shadowed `model._get_candidate_generator` returns: this thread's `assisted_generate` generator, or
+    transformers' own for a plain assisted `generate` running in another thread meanwhile."""
+    generator = getattr(_assisted_call, "generator", None)
+    return generator if generator is not None else type(model)._get_candidate_generator(model, *args, **kwargs)

@@ -853,3 +853,38 @@ def test_closing_the_holes_of_rows_that_accept_less_keeps_greedy_identity(tiny_l
     drafter = SkewedDrafter(reference, depth=6) if not tree else ReferenceDrafter(reference, depth=6, tree=True)
     assert torch.equal(tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
     assert closed
+
+
+def test_overlapping_assisted_calls_on_one_model_each_run_their_own_drafter(tiny_llama):
+    """Two threads in transformers' assisted loop on one model: a call that finishes while the other runs leaves that
+    one its candidate generator (its end removed the other's shadow method, whose own end then raised
+    AttributeError)."""
+    import threading
+
+    prompts = [torch.tensor([[5, 6, 7, 8]]), torch.tensor([[9, 10, 11, 12, 13]])]
+    references = [tiny_llama.generate(p, max_new_tokens=12, do_sample=False) for p in prompts]
+    started, other_done, outs, errors = threading.Event(), threading.Event(), [], []
+
+    class WaitingDrafter(ReferenceDrafter):
+        def propose(self, request):
+            started.set()
+            other_done.wait(60)  # the other call runs whole while this one is in flight
+            return super().propose(request)
+
+    def first():
+        try:
+            drafter = WaitingDrafter(references[0], corrupt_every=0)
+            outs.append(tiny_llama.generate(prompts[0], max_new_tokens=12, custom_generate=assisted_generate,
+                                            drafter=drafter))  # fmt: skip
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert started.wait(60)
+    second = tiny_llama.generate(prompts[1], max_new_tokens=12, custom_generate=assisted_generate,
+                                 drafter=ReferenceDrafter(references[1], corrupt_every=0))  # fmt: skip
+    other_done.set()
+    thread.join(60)
+    assert not errors and torch.equal(outs[0], references[0]) and torch.equal(second, references[1])
+    assert "_get_candidate_generator" not in vars(tiny_llama)
