@@ -72,6 +72,7 @@ def custom_generate(
     """
     _validate_call("custom_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
     _validate_engine_call(model, generation_config, synced_gpus, model_kwargs)
+    drafter.last_stats = None  # an earlier call's until this one ends: a call that raises leaves none
     streamer = streamer if streamer is not None else _find_streamer()
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(f"streaming supports batch size 1, got {input_ids.shape[0]}; drop `streamer=` or the batch")
@@ -300,6 +301,8 @@ def assisted_generate(
 ):  # fmt: skip
     """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`])."""
     _validate_call("assisted_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
+    if hasattr(drafter, "last_stats"):
+        drafter.last_stats = None  # an earlier `custom_generate` call's: transformers' loop keeps no such statistics
     streamer = streamer if streamer is not None else _find_streamer()
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)

@@ -888,3 +888,32 @@ def test_overlapping_assisted_calls_on_one_model_each_run_their_own_drafter(tiny
     thread.join(60)
     assert not errors and torch.equal(outs[0], references[0]) and torch.equal(second, references[1])
     assert "_get_candidate_generator" not in vars(tiny_llama)
+
+
+def test_a_drafter_s_last_stats_never_describe_an_earlier_call(tiny_llama):
+    """`drafter.last_stats` after a call that raised (a stopping criterion interrupting it) or ran in transformers'
+    assisted loop is `None`, not the statistics of the call before; the drafter then decodes the next call exactly."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from hf_accel.speculative.drafters import InfinigramDrafter
+
+    class Interrupt(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if input_ids.shape[1] > 12:
+                raise KeyboardInterrupt
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    input_ids, attention_mask = _ragged_batch(2)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 16, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs)
+    drafter = InfinigramDrafter(None)
+    tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+    assert drafter.last_stats is not None
+    with pytest.raises(KeyboardInterrupt):
+        tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter,
+                            stopping_criteria=StoppingCriteriaList([Interrupt()]))  # fmt: skip
+    assert drafter.last_stats is None
+    out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(out, reference) and drafter.last_stats is out.speculative_stats
+    tiny_llama.generate(input_ids[:1], max_new_tokens=8, custom_generate=assisted_generate, drafter=drafter)
+    assert drafter.last_stats is None
