@@ -312,6 +312,23 @@ def _declares_layer_types(config) -> bool:
     return "layer_types" in inspect.signature(type(config).__init__).parameters
 
 
+def input_vocab_size(model) -> int | None:
+    """Rows of `model`'s input embedding, the token ids a draft may hold (`None`: not known, drafts not checked)."""
+    embeddings = model.get_input_embeddings()
+    embeddings = getattr(embeddings, "base_layer", embeddings)  # PEFT's LoRA embedding wraps the original
+    weight = getattr(embeddings, "weight", None)
+    return weight.shape[0] if weight is not None else None
+
+
+def check_draft_ids(draft_ids: torch.Tensor, vocab_size: int | None) -> None:
+    """Refuses draft token ids outside `[0, vocab_size)` in one line (the embedding would fail with an IndexError)."""
+    if vocab_size is not None and draft_ids.numel() and ((draft_ids < 0) | (draft_ids >= vocab_size)).any():
+        raise ValueError(
+            f"the drafter proposed token ids outside the target's vocabulary [0, {vocab_size}); was it built for "
+            "another tokenizer?"
+        )
+
+
 def _has_sliding_layers(cache) -> bool:
     return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
 
@@ -340,10 +357,7 @@ class SpeculativeEngine:
         # transformers' own criteria answer each row from that row alone: ask them one row at a time (a criterion of
         # unknown kind sees the whole batch, which costs batch size times more per accepted token)
         self._row_wise_stopping = all(type(c) in _ROW_WISE_CRITERIA for c in stopping_criteria)
-        embeddings = model.get_input_embeddings()
-        embeddings = getattr(embeddings, "base_layer", embeddings)  # PEFT's LoRA embedding wraps the original
-        weight = getattr(embeddings, "weight", None)
-        self.vocab_size = weight.shape[0] if weight is not None else None  # None: not checked
+        self.vocab_size = input_vocab_size(model)
         self.streamer = streamer
         self.do_sample = bool(generation_config.do_sample)
         # Sampling draws its randomness per output position from this seed (taken from torch's seeded generator)
@@ -464,9 +478,7 @@ class SpeculativeEngine:
             raise ValueError(f"the drafter proposed {tree.input_ids.shape[0]} rows for {batch_size} active rows")
         num_nodes = tree.num_nodes + 1
         tree_ids = torch.cat([roots, tree.input_ids.to(device)], dim=1)  # [B, N]
-        vocab = self.vocab_size
-        if vocab is not None and tree.num_nodes and ((tree_ids < 0) | (tree_ids >= vocab)).any():
-            raise ValueError(f"the drafter proposed token ids outside the target's vocabulary [0, {vocab})")
+        check_draft_ids(tree.input_ids, self.vocab_size)
         parent = to_verification_parents(tree.parent.to(device))
         if tree.num_aux:
             parent = torch.cat([parent, tree.aux_parent.to(device) + 1], dim=1)  # [B, N + M]

@@ -26,7 +26,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import SynthIDTextWatermarkLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMode
 
-from .engine import DraftRequest, SpeculativeEngine, VerifyResult
+from .engine import DraftRequest, SpeculativeEngine, VerifyResult, check_draft_ids, input_vocab_size
 from .tree import DraftTree
 
 
@@ -234,10 +234,12 @@ class DrafterCandidateGenerator(CandidateGenerator):
         drafter: a drafter following hf-accel's protocol.
         generation_config (`GenerationConfig`): the call's config (for `do_sample` and `max_length`).
         prompt_length (`int`): length of the prompt in `input_ids`.
+        vocab_size (`int`, *optional*): the target's input vocabulary; drafts of other ids are refused in one line.
     """
 
-    def __init__(self, drafter, generation_config, prompt_length: int):
+    def __init__(self, drafter, generation_config, prompt_length: int, vocab_size: int | None = None):
         self.drafter = drafter
+        self.vocab_size = vocab_size
         self.generation_config = generation_config
         self.prompt_length = prompt_length
         self.drafter_time_s = 0.0
@@ -259,6 +261,7 @@ class DrafterCandidateGenerator(CandidateGenerator):
         # (GPT-2, OPT) have no position for them when `max_length` is the table's size
         self._chain_nodes = _first_chain(tree)[: max(0, int(request.max_depth[0]))]
         chain = tree.input_ids[0, self._chain_nodes].tolist() if self._chain_nodes else []
+        check_draft_ids(torch.tensor(chain, dtype=torch.long), self.vocab_size)
         candidates = torch.cat([input_ids, torch.tensor([chain], dtype=torch.long, device=input_ids.device)], 1)
         self._pass_start = time.perf_counter()
         return candidates, None
@@ -306,7 +309,9 @@ def assisted_generate(
     streamer = streamer if streamer is not None else _find_streamer()
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)
-    candidate_generator = DrafterCandidateGenerator(drafter, generation_config, input_ids.shape[1])
+    candidate_generator = DrafterCandidateGenerator(
+        drafter, generation_config, input_ids.shape[1], input_vocab_size(model)
+    )
     # `_assisted_decoding` builds its generator with `_get_candidate_generator`; shadow that method on this instance
     # while calls are in flight (transformers 5.23 has no public hook to pass a CandidateGenerator in), each thread
     # getting its own call's generator

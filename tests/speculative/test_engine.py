@@ -705,6 +705,20 @@ def test_negative_draft_token_ids_are_refused_in_one_line(tiny_llama):
         tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate, drafter=Negative())
 
 
+@pytest.mark.parametrize("token", [-1, TINY_CONFIG["vocab_size"]])
+def test_draft_ids_outside_the_vocabulary_are_refused_in_one_line_in_transformers_assisted_loop(tiny_llama, token):
+    """A drafter of another vocabulary (an index of another tokenizer, shared with a second model) in transformers'
+    assisted loop: refused as in hf-accel's own, not an IndexError from the embedding."""
+
+    class OtherVocabulary:
+        def propose(self, request):
+            return DraftTree.from_parent_lists([([6, token], [-1, 0])])
+
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        tiny_llama.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, custom_generate=assisted_generate,
+                            drafter=OtherVocabulary())  # fmt: skip
+
+
 def test_a_filled_sliding_window_cache_is_refused_in_one_line():
     """The engine serves sliding-window models from full layers (test_families); a sliding cache layer that already
     holds tokens keeps only its window, which the engine cannot gather (it was a tensor size error in attention)."""
