@@ -88,16 +88,17 @@ def looks_like_local_path(name: str) -> bool:
     return os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
-def resolve_model(name_or_path: str) -> str:
+def resolve_model(name_or_path: str | os.PathLike) -> str:
     """Returns what `from_pretrained` should receive for a model argument.
 
     Args:
-        name_or_path (`str`): `smollm2-135m`, a local directory, or a Hub id.
+        name_or_path (`str` or `os.PathLike`): `smollm2-135m`, a local directory, or a Hub id.
 
     Returns:
         `str`: a local directory for the alias and for directories; for a Hub id, the id, or its cached snapshot
         directory when the Hub cannot be reached.
     """
+    name_or_path = os.fspath(name_or_path)  # a `pathlib.Path` is a local path like any other
     if name_or_path == DEFAULT_MODEL:
         out = hf_accel_home() / "models" / DEFAULT_MODEL
         if not (out / "config.json").is_file():
@@ -139,11 +140,11 @@ def hub_unreachable() -> bool:
     return False
 
 
-def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype=torch.float32, **kwargs):
+def load_model_and_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=torch.float32, **kwargs):
     """Loads a causal LM and its tokenizer from the alias, a local directory, or a Hub id.
 
     Args:
-        name_or_path (`str`, *optional*, defaults to `"smollm2-135m"`): the model to load.
+        name_or_path (`str` or `os.PathLike`, *optional*, defaults to `"smollm2-135m"`): the model to load.
         dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): the weights' dtype.
         kwargs: passed on to `AutoModelForCausalLM.from_pretrained` (for example `trust_remote_code=True`).
 
@@ -158,6 +159,7 @@ def load_model_and_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype=torch.floa
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    name_or_path = os.fspath(name_or_path)
     path = resolve_model(name_or_path)
     check_model_dir(name_or_path, path)
     if not kwargs.get("trust_remote_code"):

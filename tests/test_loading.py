@@ -106,6 +106,14 @@ def test_a_model_directory_under_the_home_directory_loads_by_a_tilde_path(tmp_pa
         resolve_model("~/models/missing")
 
 
+def test_a_pathlib_path_names_a_model_directory(tmp_path):
+    write_tiny_llama(tmp_path / "tiny", seed=0)
+    model, _ = load_model_and_tokenizer(tmp_path / "tiny")
+    assert model.config.model_type == "llama"
+    with pytest.raises(ModelNotFoundError, match="is not a directory"):  # not an AttributeError from str methods
+        load_model_and_tokenizer(tmp_path / "missing")
+
+
 def test_an_adapter_over_a_checkpoint_with_its_own_code_needs_trust_remote_code_in_one_line(tmp_path):
     # the adapter directory holds no config.json: the check read none, and transformers then prompted for (or refused
     # in several lines) the base model's code
