@@ -13,6 +13,7 @@ heads `[g·s, (g+1)·s)`, and query head `h` reads KV head `h // (num_heads / nu
 J-LRD with uniform ranks (`s = num_key_value_heads`) is CARE-U's factorization of the whole K or V projection.
 """
 
+import numbers
 import re
 import sys
 import time
@@ -90,25 +91,22 @@ class PaluConversionConfig:
     def __post_init__(self):
         budget_from_kv_keep([1], self.kv_keep)  # validates kv_keep
         self.kv_keep = float(self.kv_keep)  # a numpy float would not go into the saved JSON
-        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
-            raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
+        # numpy integers are taken as ints (the saved JSON takes no numpy types); bools and floats are refused
+        if self.group_size is not None:
+            self.group_size = _integer("group_size", self.group_size, minimum=1)
         if self.ranks not in RANK_METHODS:
             raise ValueError(f"unknown rank allocation {self.ranks!r}; choose one of {', '.join(RANK_METHODS)}")
-        if self.quant_bits not in QUANT_BITS:
+        if self.quant_bits not in QUANT_BITS or isinstance(self.quant_bits, (bool, float)):
             raise ValueError(f"quant_bits must be one of {QUANT_BITS}, got {self.quant_bits!r}")
-        if not isinstance(self.rank_multiple, int) or self.rank_multiple < 1:
-            raise ValueError(f"rank_multiple must be a positive integer, got {self.rank_multiple!r}")
-        if (
-            not isinstance(self.quant_group_size, int)
-            or self.quant_group_size < 0
-            or (self.quant_group_size and self.rank_multiple % self.quant_group_size)
-        ):
+        self.quant_bits = int(self.quant_bits)
+        self.rank_multiple = _integer("rank_multiple", self.rank_multiple, minimum=1)
+        self.quant_group_size = _integer("quant_group_size", self.quant_group_size, minimum=0)
+        if self.quant_group_size and self.rank_multiple % self.quant_group_size:
             raise ValueError(
                 f"quant_group_size must be 0 (one scale per latent) or divide rank_multiple {self.rank_multiple}, so "
                 f"that it divides every group rank; got {self.quant_group_size!r}"
             )
-        if not isinstance(self.residual_length, int) or self.residual_length < 0:
-            raise ValueError(f"residual_length must be a non-negative integer, got {self.residual_length!r}")
+        self.residual_length = _integer("residual_length", self.residual_length, minimum=0)
         if self.residual_length and not self.quant_bits:
             raise ValueError("residual_length is a full-precision window of a quantized cache: it needs quant_bits")
         if self.calib_samples < 1 or self.calib_seq_len < 2 or (self.ranks == "fisher" and self.fisher_samples < 1):
@@ -116,6 +114,14 @@ class PaluConversionConfig:
         check_shrinkage(self.alpha, self.lam_frac)
         if self.kernel_backend not in KERNEL_BACKENDS:  # before calibration, not when the model is built
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+
+
+def _integer(name: str, value, minimum: int) -> int:
+    """`value` as a Python int (numpy integers included) of at least `minimum`; one line for anything else."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
+    return int(value)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

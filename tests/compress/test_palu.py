@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hf_accel.compress.palu import (
+    PaluConversionConfig,
     convert_palu,
     default_group_size,
     factorize_groups,
@@ -177,6 +178,28 @@ def test_bad_inputs_raise_clear_errors(model, tokenizer):
         convert_palu(model, tokenizer, quant_bits=3, residual_length=-1, calibration_text=CALIB_TEXT)
     with pytest.raises(ValueError, match="kernel_backend must be one of"):  # before anything else: no calibration
         convert_palu(model, tokenizer, kernel_backend="trtion")
+
+
+def test_numpy_integers_are_taken_as_ints_and_bools_or_floats_refused():
+    import dataclasses
+
+    import numpy as np
+
+    config = PaluConversionConfig(
+        group_size=np.int64(2), rank_multiple=np.int32(8), quant_bits=np.int64(3), quant_group_size=np.int64(4),
+        residual_length=np.int64(16),
+    )  # fmt: skip
+    settings = dataclasses.asdict(config)
+    assert json.loads(json.dumps(settings)) == settings  # what the saved checkpoint's JSON takes
+    assert all(type(settings[k]) is int for k in ("group_size", "rank_multiple", "quant_bits", "quant_group_size"))
+    for bad, message in [
+        ({"rank_multiple": 8.0}, "rank_multiple must be a positive integer"),
+        ({"group_size": True}, "group_size must be a positive integer"),
+        ({"quant_bits": 3.0}, "quant_bits must be one of"),
+        ({"quant_group_size": -1}, "quant_group_size must be a non-negative integer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            PaluConversionConfig(**bad)
 
 
 def test_a_model_with_peft_adapters_is_refused_before_calibration(tokenizer, monkeypatch):
