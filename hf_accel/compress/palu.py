@@ -394,6 +394,8 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
 
 
 def _read_calibration(model, tokenizer, calibration_text, calibration_ids, conversion):
+    if calibration_ids is not None and calibration_text:
+        raise ValueError("pass calibration_text or calibration_ids, not both")
     if calibration_ids is not None:
         check_calibration_ids(calibration_ids)  # like calib_seq_len ≥ 2, before any work
         return calibration_ids

@@ -168,6 +168,8 @@ def test_bad_inputs_raise_clear_errors(model, tokenizer):
         convert_palu(model, tokenizer, quant_bits=5, calibration_text=CALIB_TEXT)
     with pytest.raises(ValueError, match="needs calibration text"):
         convert_palu(model, tokenizer, **FAST)
+    with pytest.raises(ValueError, match="pass calibration_text or calibration_ids, not both"):
+        convert_palu(model, tokenizer, calibration_text=CALIB_TEXT, calibration_ids=torch.ones(2, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="calibration text too short"):
         convert_palu(model, tokenizer, calibration_text="too short", **FAST)
     with pytest.raises(ValueError, match="quant_group_size must be 0 .* or divide rank_multiple 8"):
