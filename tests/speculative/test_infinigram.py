@@ -700,6 +700,14 @@ def test_a_document_with_ids_outside_the_vocabulary_is_named_by_its_place(tmp_pa
     assert not (tmp_path / "idx").exists()
 
 
+def test_documents_of_float_or_bool_values_are_refused_not_truncated(tmp_path):
+    for bad, dtype in (([3, 7.5], "float64"), (torch.tensor([True, False]), "bool")):
+        with pytest.raises(ValueError, match=f"^document 1 holds {dtype} values, not integer token ids"):
+            build_index([[3, 7], bad], tmp_path / "idx", *_fingerprint())
+    build_index([torch.tensor([3, 7]), np.array([3], dtype=np.uint16)], tmp_path / "idx", *_fingerprint())
+    assert InfinigramIndex(tmp_path / "idx").header.num_indexed_tokens == 3
+
+
 def test_index_build_puts_everything_in_a_tilde_out_directory(tmp_path, monkeypatch, capsys):
     """`--out=~/idx` (no shell expansion after `=`): the self-distillation cache and the model card went to a `./~/idx`
     directory while the index went to `$HOME/idx`."""
