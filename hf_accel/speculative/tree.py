@@ -82,6 +82,8 @@ class DraftTree:
         parent = torch.full((len(trees), width), -1, dtype=torch.long)
         node_mask = torch.zeros((len(trees), width), dtype=torch.bool)
         for b, (tokens, parents) in enumerate(trees):
+            if len(tokens) != len(parents):  # a missing parent would silently hang its node off the root
+                raise ValueError(f"draft tree row {b} has {len(tokens)} tokens and {len(parents)} parents")
             input_ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             parent[b, : len(parents)] = torch.tensor(parents, dtype=torch.long)
             node_mask[b, : len(tokens)] = True

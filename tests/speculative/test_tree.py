@@ -1,5 +1,6 @@
 import random
 
+import pytest
 import torch
 
 from hf_accel.speculative.tree import (
@@ -78,6 +79,8 @@ def test_draft_tree_builders():
     assert full[0].tolist() == [-1, 0, 1, 2]
     tree = DraftTree.from_parent_lists([([4, 5, 6], [-1, -1, 0])])
     assert to_verification_parents(tree.parent)[0].tolist() == [-1, 0, 0, 1]
+    with pytest.raises(ValueError, match="draft tree row 1 has 3 tokens and 2 parents"):
+        DraftTree.from_parent_lists([([4], [-1]), ([4, 5, 6], [-1, 0])])
 
 
 def test_tree_mask_matches_sequential_decoding(tiny_llama):
