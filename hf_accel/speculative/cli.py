@@ -11,7 +11,11 @@ def add_cli(commands) -> None:
     """Adds the `index` command (subcommand `build`) to the top-level `hf-accel` subparsers."""
     index = commands.add_parser("index", help="Infinigram (suffix-array) indexes for the `ngram` drafter")
     sub = index.add_subparsers(dest="index_command", required=True, metavar="SUBCOMMAND")
-    build = sub.add_parser("build", help="build an index (tokens of the model's tokenizer)")
+    build = sub.add_parser(
+        "build",
+        help="build an index (tokens of the model's tokenizer)",
+        description="Builds an index; --text, --dataset and --self-distill combine: every source given is indexed.",
+    )
     build.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
     build.add_argument("--out", required=True, help="index directory to write")
     build.add_argument("--text", nargs="+", default=[], help="plain text files (one document each)")
