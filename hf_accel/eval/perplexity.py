@@ -68,6 +68,8 @@ def compute_perplexity(
     """
     if max_tokens is not None and max_tokens <= 0:  # a negative slice would silently drop the text's last tokens
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
     input_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     if max_tokens is not None:
         input_ids = input_ids[:max_tokens]

@@ -85,6 +85,8 @@ def load_prompts(source: str, tokenizer=None, limit: int | None = None, offset: 
     Returns:
         `list[BenchPrompt]`
     """
+    if offset < 0 or (limit is not None and limit < 1):  # negative slices would silently drop the last prompts
+        raise ValueError(f"offset must be ≥ 0 and limit ≥ 1, got offset {offset}, limit {limit}")
     if source == HUMANEVAL:
         path = humaneval_path()
     elif (_BUILTIN_DIR / f"{source}.jsonl").is_file() and not Path(source).exists():

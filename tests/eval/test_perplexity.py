@@ -73,6 +73,8 @@ def test_perplexity_rejects_a_max_tokens_that_is_not_positive(max_tokens):
     # -5 sliced the token ids: every token but the last 5 was scored, without a word
     with pytest.raises(ValueError, match=f"max_tokens must be positive, got {max_tokens}"):
         compute_perplexity(make_tiny_llama(), ByteTokenizer(), "To be, or not to be", 8, max_tokens, progress=False)
+    with pytest.raises(ValueError, match="batch_size must be positive, got 0"):  # not range()'s own error
+        compute_perplexity(make_tiny_llama(), ByteTokenizer(), "To be, or not to be", 8, batch_size=0, progress=False)
 
 
 def test_read_eval_text_errors(tmp_path):

@@ -55,6 +55,9 @@ def test_missing_file_and_offset_past_end(tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"question_id": 1, "turns": ["hi"]}])
     with pytest.raises(ValueError, match="no prompts left"):
         load_prompts(path, offset=5)
+    for offset, limit in ((-1, None), (0, -1), (0, 0)):  # Python slices would drop the last prompts without a word
+        with pytest.raises(ValueError, match="offset must be ≥ 0 and limit ≥ 1"):
+            load_prompts(path, limit=limit, offset=offset)
 
 
 def test_repeated_question_ids_are_refused(tmp_path):
