@@ -5,6 +5,7 @@ Shared by the CARE and Palu converters. A checkpoint is written to a temporary s
 place at the end, so a failure never leaves a half-written output directory.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -145,12 +146,20 @@ def replace_atomically(target: Path, write, *args) -> None:
 def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
     """Yields a temporary directory that becomes `out_dir` when the block succeeds (and is deleted if it fails).
 
+    The directory's name carries this process's id and host, so a later call for the same `out_dir` removes the ones
+    killed processes left (no `except` runs on SIGKILL or the OOM killer, and they hold a whole checkpoint's weights).
+
     Raises:
         `ValueError` from [`check_output_dir`].
     """
     out = check_output_dir(out_dir, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-", dir=out.parent))
+    prefix, host = f".{out.name}-tmp-", _host_name()
+    for stale in out.parent.glob(glob.escape(prefix) + "*"):  # a killed conversion's (OOM, SIGKILL): GBs of weights
+        pid, other_host = _scratch_owner(stale.name, prefix)
+        if other_host == host and not _process_alive(pid):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}@{host}-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the checkpoint gets the usual permissions
@@ -166,6 +175,17 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _host_name() -> str:
+    """This machine's name as scratch directories carry it (`-`, their field separator, replaced)."""
+    return socket.gethostname().replace("-", "_")
+
+
+def _scratch_owner(name: str, prefix: str) -> tuple[str, str]:
+    """`(pid, host)` of a scratch directory named `{prefix}{pid}@{host}-...` (`host` is empty in older names)."""
+    pid, _, host = name.removeprefix(prefix).partition("-")[0].partition("@")
+    return pid, host
 
 
 def _process_alive(pid: str) -> bool:
@@ -199,9 +219,9 @@ def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
     out = check_output_path(out_dir)
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
-    host = socket.gethostname().replace("-", "_")  # a name field without the separator
+    host = _host_name()
     for stale in out.glob(".staging-*"):  # left by a killed process (a normal exit always removes its own)
-        pid, _, other_host = stale.name.removeprefix(".staging-").partition("-")[0].partition("@")
+        pid, other_host = _scratch_owner(stale.name, ".staging-")
         if other_host in ("", host) and not _process_alive(pid):  # "": an older name, with no pid
             shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}@{host}-", dir=out))

@@ -99,6 +99,41 @@ def test_failed_save_leaves_no_output(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []  # neither the output nor a temporary directory is left
 
 
+def test_a_killed_conversion_s_scratch_directory_is_removed_by_the_next_one(tmp_path):
+    """A conversion killed while writing (the OOM killer, SIGKILL: no `except` runs) leaves its scratch directory,
+    a whole checkpoint's weights for a large model; the next conversion to the same `--out` removes it, and leaves
+    those of running processes and of other machines (shared storage) alone."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from hf_accel.compress.export import atomic_output_dir
+
+    out = tmp_path / "care"
+    script = (
+        "import os, signal, sys\n"
+        "from hf_accel.compress.export import atomic_output_dir\n"
+        "with atomic_output_dir(sys.argv[1]) as tmp:\n"
+        "    (tmp / 'model.safetensors').write_bytes(b'half')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    killed = subprocess.run([sys.executable, "-c", script, str(out)], cwd=repo, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".care-tmp-")  # what the kill left
+    host = socket.gethostname().replace("-", "_")
+    live = tmp_path / f".care-tmp-{os.getppid()}@{host}-xyz"  # a running process's (pytest's parent)
+    elsewhere = tmp_path / ".care-tmp-999999999@another_host-xyz"  # another machine's
+    other_out = tmp_path / ".care-tmp-x-tmp-999999999@host-xyz"  # `--out care-tmp-x`'s, not this output's
+    for folder in (live, elsewhere, other_out):
+        folder.mkdir()
+    with atomic_output_dir(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["care", live.name, elsewhere.name, other_out.name])
+
+
 def test_existing_output_needs_overwrite_and_must_be_a_checkpoint(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
