@@ -467,7 +467,8 @@ def convert_palu(
     n_kv, num_layers = cfg.num_key_value_heads, cfg.num_hidden_layers
     num_groups, width = n_kv // group_size, group_size * head_dim
     max_rank = min(width, cfg.hidden_size)  # the rank of a group's [hidden, width] projection
-    if calibration is not None:
+    reused = calibration is not None  # a caller's statistics, kept by the caller (and so the scales cached on them)
+    if reused:
         check_calibration_fits(model, calibration)
     if fisher_scores is not None and len(fisher_scores) != num_layers:
         raise ValueError(f"fisher_scores has {len(fisher_scores)} (K, V) pairs, the model {num_layers} layers")
@@ -494,24 +495,17 @@ def convert_palu(
     elif conversion.ranks == "uniform":
         k_ranks, v_ranks = uniform_group_ranks(width, kv_keep, conversion.rank_multiple, num_layers, max_rank=max_rank)
     start = time.perf_counter()
-    all_scales = _layer_scales(calibration, conversion.alpha, conversion.lam_frac)
-    full, sigmas = [], []  # per layer: (K groups, V groups) full-rank factors; K-FAC σ of each group
-    for idx, layer in enumerate(tqdm(model.model.layers, desc="factorize", unit="layer", disable=not progress)):
-        attn = layer.self_attn
-        common = {"num_key_value_heads": n_kv, "head_dim": head_dim, "group_size": group_size}
-        common.update(scales=all_scales[idx], alpha=conversion.alpha, lam_frac=conversion.lam_frac)
-        weights = (attn.k_proj.weight.detach().T.cpu(), attn.v_proj.weight.detach().T.cpu())  # with the statistics
-        full.append(tuple(factorize_groups(w, **common) for w in weights))
-        if kfac:
-            grads = (calibration.k_grad_moments[idx], calibration.v_grad_moments[idx])
-            pair = [factorize_groups(w, out_moment=g, **common) for w, g in zip(weights, grads)]
-            sigmas.append(tuple([f.sigma for f in groups] for groups in pair))
+    full, sigmas = _factorize_layers(model, calibration, conversion, group_size, reused, kfac, progress)
     if kfac:
         k_ranks, v_ranks = kfac_group_ranks(sigmas, width, kv_keep, conversion.rank_multiple, max_rank=max_rank)
     layer_factors = [
         (*truncate_groups(k_groups, k_rank), *truncate_groups(v_groups, v_rank))
         for (k_groups, v_groups), k_rank, v_rank in zip(full, k_ranks, v_ranks)
     ]
+    calibration_tokens = calibration.tokens
+    # The original and the converted model coexist while the latter is built (the conversion's peak): the full-rank
+    # factors and the statistics of a calibration made here (2·hidden² float64 numbers a layer) are freed first.
+    del calibration, full, sigmas
     palu = build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion)
     timings["factorization_s"] = time.perf_counter() - start
     total_width = 2 * num_layers * n_kv * head_dim
@@ -523,13 +517,34 @@ def convert_palu(
         "v_ranks": v_ranks,
         "kv_keep_achieved": num_groups * (sum(k_ranks) + sum(v_ranks)) / total_width,
         "fisher_scores": scores,
-        "calibration_tokens": calibration.tokens,
+        "calibration_tokens": calibration_tokens,
         "cache_bytes_per_token": expected_cache_bytes_per_token(palu.config),
         "window_bytes_per_sequence": window_bytes_per_sequence(palu),
         "base_cache_bytes_per_token": total_width * 2,  # float16 keys and values
         "timings": timings,
     }
     return palu, info
+
+
+def _factorize_layers(model, calibration, conversion, group_size: int, reused: bool, kfac: bool, progress: bool):
+    """Per layer, `(K groups, V groups)` full-rank whitened factors, and with `kfac` the σ of each group's two-sided
+    SVD (`√C·W_g·√G_g`, for the ranks only). One layer's whitening scales at a time unless `reused` (a caller's
+    calibration, which caches them for the conversions that share it)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    common = {"num_key_value_heads": cfg.num_key_value_heads, "head_dim": head_dim, "group_size": group_size}
+    common.update(alpha=conversion.alpha, lam_frac=conversion.lam_frac)
+    full, sigmas = [], []
+    for idx, layer in enumerate(tqdm(model.model.layers, desc="factorize", unit="layer", disable=not progress)):
+        attn = layer.self_attn
+        common["scales"] = _layer_scales(calibration, idx, conversion.alpha, conversion.lam_frac, cache=reused)
+        weights = (attn.k_proj.weight.detach().T.cpu(), attn.v_proj.weight.detach().T.cpu())  # with the statistics
+        full.append(tuple(factorize_groups(w, **common) for w in weights))
+        if kfac:
+            grads = (calibration.k_grad_moments[idx], calibration.v_grad_moments[idx])
+            pair = [factorize_groups(w, out_moment=g, **common) for w, g in zip(weights, grads)]
+            sigmas.append(tuple([f.sigma for f in groups] for groups in pair))
+    return full, sigmas
 
 
 def window_bytes_per_sequence(palu_model) -> int:
@@ -543,12 +558,16 @@ def window_bytes_per_sequence(palu_model) -> int:
     return cfg.palu_residual_length * (latents * palu_model.dtype.itemsize + positions)
 
 
-def _layer_scales(calibration, alpha: float, lam_frac: float) -> list:
-    """Per layer `(S, S⁻¹)` with `S = √C_λ`, cached on the calibration: conversions that share it skip the eigh."""
-    key = ("palu_scales", alpha, lam_frac)
-    if key not in calibration.meta:
-        calibration.meta[key] = [symmetric_sqrt(shrink_moment(m, alpha, lam_frac)) for m in calibration.moments]
-    return calibration.meta[key]
+def _layer_scales(calibration, idx: int, alpha: float, lam_frac: float, cache: bool) -> tuple:
+    """`(S, S⁻¹)` of layer `idx`, `S = √C_λ`. With `cache`, kept on the calibration: conversions that share it skip
+    the eigh. Without, computed for the one layer being factorized: every layer's at once cost `2·layers·hidden²`
+    float64 numbers (8.6 GB for Llama-3-8B's shapes), needlessly for a calibration that serves one conversion."""
+    if not cache:
+        return symmetric_sqrt(shrink_moment(calibration.moments[idx], alpha, lam_frac))
+    scales = calibration.meta.setdefault(("palu_scales", alpha, lam_frac), [None] * len(calibration.moments))
+    if scales[idx] is None:
+        scales[idx] = symmetric_sqrt(shrink_moment(calibration.moments[idx], alpha, lam_frac))
+    return scales[idx]
 
 
 def describe_grouping(num_heads: int, num_key_value_heads: int, group_size: int) -> str:

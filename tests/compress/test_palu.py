@@ -499,3 +499,50 @@ def test_calibration_ids_that_are_not_rows_of_two_tokens_are_refused(model):
             convert_palu(model, None, kv_keep=0.5, ranks="fisher", calibration_ids=ids, progress=False)
     with pytest.raises(ValueError, match="seq_len >= 2"):
         collect_fisher_scores(model, _ids(length=1), progress=False)
+
+
+def _tensors_of(value):
+    """The tensors a calibration, a `(S, S⁻¹)` pair or low-rank factors hold."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_of(item)]
+    if hasattr(value, "__dataclass_fields__"):
+        return [t for name in value.__dataclass_fields__ for t in _tensors_of(getattr(value, name))]
+    return []
+
+
+@pytest.mark.parametrize("ranks", ["fisher", "kfac"])
+def test_statistics_and_full_factors_are_freed_before_the_converted_model_is_built(
+    model, tokenizer, monkeypatch, ranks
+):
+    """The original and the converted model coexist while the latter is built, the conversion's peak. By then the
+    statistics of a calibration made for this conversion, their whitening scales (every layer's: 2·hidden² float64
+    numbers a layer, 8.6 GB at Llama-3-8B's shapes) and the full-rank factors must be gone."""
+    import gc
+    import weakref
+
+    import hf_accel.compress.palu as palu_module
+
+    made = []
+
+    def tracked(fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            made.extend(weakref.ref(t) for t in _tensors_of(out))
+            return out
+
+        return wrapper
+
+    for name in ("collect_kv_calibration", "symmetric_sqrt", "factorize"):
+        monkeypatch.setattr(palu_module, name, tracked(getattr(palu_module, name)))
+    build, alive = palu_module.build_palu_model, []
+
+    def counting_build(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in made))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(palu_module, "build_palu_model", counting_build)
+    convert_palu(model, tokenizer, kv_keep=0.5, group_size=2, ranks=ranks, calibration_text=CALIB_TEXT, **FAST)
+    assert made and alive == [0]
