@@ -33,6 +33,7 @@ from .export import (
     copy_remote_code,
     load_converted_state,
     plot_ranks,
+    uninitialized_model,
     write_json,
 )
 from .factorize import asvd_scale, check_shrinkage, factorize, shrink_moment, symmetric_sqrt, whitened_factorize
@@ -234,7 +235,7 @@ def build_care_model(model, factors, k_ranks, v_ranks, absorb_value: bool = Fals
     _validate_ranks(factors, k_ranks, v_ranks)
     config = care_config_from(model, k_ranks, v_ranks, absorb_value)
     dtype = next(model.parameters()).dtype
-    care_model = getattr(modeling_care, FAMILIES[model_family(model)][1])._from_config(config, dtype=dtype)
+    care_model = uninitialized_model(getattr(modeling_care, FAMILIES[model_family(model)][1]), config, dtype)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith(("k_proj.weight", "v_proj.weight"))}
     state = {k: v for k, v in state.items() if not k.endswith(("k_proj.bias", "v_proj.bias"))}
     for idx, ((fk, fv), rk, rv) in enumerate(zip(factors, k_ranks, v_ranks)):

@@ -41,6 +41,7 @@ from .export import (
     check_rope_type,
     check_source_model,
     load_converted_state,
+    uninitialized_model,
 )
 from .factorize import check_shrinkage, factorize, shrink_moment, symmetric_sqrt
 from .fisher import allocate_fisher_ranks, collect_fisher_scores
@@ -375,7 +376,7 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
 
     config = palu_config_from(model, conversion.group_size, k_ranks, v_ranks, conversion)
     dtype = next(model.parameters()).dtype
-    palu = PaluLlamaForCausalLM._from_config(config, dtype=dtype)
+    palu = uninitialized_model(PaluLlamaForCausalLM, config, dtype)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith(("k_proj.weight", "v_proj.weight"))}
     head_dim = palu.model.layers[0].self_attn.head_dim
     for idx, (k_down, k_up, v_down, v_up) in enumerate(layer_factors):

@@ -376,6 +376,25 @@ def test_converted_models_keep_the_source_generation_config(tmp_path):
         assert {k: getattr(saved, k) for k in settings} == settings
 
 
+def test_converted_models_are_built_without_random_initialisation(monkeypatch):
+    """Every weight is then loaded (strictly): random init only cost time (23 s at 1B shapes) and memory. The
+    converted models still reproduce their source at full rank (RoPE buffers are computed at construction)."""
+    from hf_accel.compress.palu import convert_palu
+
+    model = make_tiny("llama")
+    ids = torch.randint(3, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    expected = model(ids).logits
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a converted model's weights were randomly initialised")
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", fail)  # nn.Linear's reset_parameters
+    care = run_care_conversion(model, None, CareConversionConfig(kv_keep=1.0, method="svd"), None, False)
+    palu, _ = convert_palu(model, None, kv_keep=1.0, ranks="uniform", calibration_ids=ids, progress=False)
+    for converted in (care.model, palu):
+        torch.testing.assert_close(converted(ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("method", ["care", "care-u"])
 def test_kv_keep_is_a_fraction_of_the_cache_width_when_it_exceeds_the_hidden_size(method):
     # K/V width 4 heads × 16 = 64 against a hidden size of 32: a matrix's rank is at most 32, yet kv_keep 0.5 keeps
