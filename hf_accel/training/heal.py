@@ -265,7 +265,10 @@ class HealingTrainer(Trainer):
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs and self._loss_parts["ce"]:
             for name, values in self._loss_parts.items():
-                logs[f"{name}_loss"] = torch.stack(values).float().mean().item()
+                # this process's micro-batches, then the mean over processes, as the Trainer logs `loss` (every
+                # process logs here together; packed blocks give every micro-batch the same number of tokens)
+                mean = torch.stack(values).float().mean()
+                logs[f"{name}_loss"] = self.accelerator.reduce(mean, reduction="mean").item()
                 values.clear()
         super().log(logs, *args, **kwargs)
 

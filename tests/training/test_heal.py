@@ -1,6 +1,9 @@
 import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +29,7 @@ def checkpoints(tmp_path_factory):
     }
 
 
-def _args(checkpoints, output_dir, **overrides):
+def _kwargs(checkpoints, output_dir, **overrides):
     root = checkpoints["root"]
     kwargs = {
         "output_dir": str(output_dir),
@@ -51,7 +54,11 @@ def _args(checkpoints, output_dir, **overrides):
         "disable_tqdm": True,
     }
     kwargs.update(overrides)
-    return HealingArguments(**kwargs)
+    return kwargs
+
+
+def _args(checkpoints, output_dir, **overrides):
+    return HealingArguments(**_kwargs(checkpoints, output_dir, **overrides))
 
 
 def test_pack_token_ids_concatenates_with_separator_and_drops_the_tail():
@@ -766,6 +773,58 @@ def test_time_budget_stops_every_process_at_the_same_step():
     results = mp.Manager().dict()
     mp.spawn(_budget_worker, args=(port, results), nprocs=2, join=True)
     assert dict(results) == {0: True, 1: True}
+
+
+def _cli_options(kwargs: dict) -> list[str]:
+    """`HealingArguments` keyword arguments as `scripts/heal.py` options."""
+    argv = []
+    for name, value in kwargs.items():
+        values = value if isinstance(value, list) else [value]
+        argv += [f"--{name}", *(str(v).lower() if isinstance(v, bool) else str(v) for v in values)]
+    return argv
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
+)
+def test_two_processes_heal_as_one_with_the_same_global_batch(checkpoints, tmp_path):
+    """`torchrun --nproc_per_node 2` (gloo DDP on the CPU) against one process with twice the per-device batch: the
+    same losses, loss parts included, gradient norms and curve, and the same files, written by the main process."""
+    run_healing(_args(checkpoints, tmp_path / "one", per_device_train_batch_size=4))
+    repo = Path(__file__).resolve().parents[2]
+    options = _cli_options(_kwargs(checkpoints, tmp_path / "two"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(repo / "scripts" / "heal.py"), *options],
+        env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(proc.stdout.strip().splitlines()) == 1  # the summary, printed by the main process only
+    assert (tmp_path / "two" / "checkpoint-4" / "rng_state_1.pth").is_file()  # two processes did train
+
+    def logged(output_dir):
+        state = json.loads((output_dir / "checkpoint-4" / "trainer_state.json").read_text())
+        return [
+            [e[k] for k in ("loss", "grad_norm", "ce_loss", "kd_loss")] for e in state["log_history"] if "loss" in e
+        ]
+
+    def files(output_dir):
+        return {str(p.relative_to(output_dir)) for p in output_dir.rglob("*") if "rng_state" not in p.name}
+
+    def read(output_dir, name):
+        return json.loads((output_dir / name).read_text())
+
+    assert logged(tmp_path / "two") == [pytest.approx(row, rel=1e-4) for row in logged(tmp_path / "one")]
+    points = read(tmp_path / "one", "ppl_history.json")["points"]
+    expected = [{**p, "ppl": pytest.approx(p["ppl"], rel=1e-4)} for p in points]
+    assert read(tmp_path / "two", "ppl_history.json")["points"] == expected
+    summary = read(tmp_path / "one", "healing_summary.json")
+    assert read(tmp_path / "two", "healing_summary.json") == {
+        **summary,
+        "ppl": pytest.approx(summary["ppl"], rel=1e-4),
+    }
+    assert files(tmp_path / "two") == files(tmp_path / "one")
 
 
 def test_a_bfloat16_student_is_healed_in_float32_and_saved_in_bfloat16(checkpoints, tmp_path):
