@@ -38,6 +38,7 @@ def measure_cache_bytes_per_token(model, input_ids: torch.Tensor, past_key_value
     Args:
         past_key_values (`Cache`, *optional*): the (empty) cache to fill; the model's default cache otherwise.
     """
+    input_ids = input_ids.to(next(model.parameters()).device)
     if input_ids.shape[1] > 1:
         past_key_values = model(
             input_ids=input_ids[:, :-1], past_key_values=past_key_values, use_cache=True

@@ -99,9 +99,10 @@ def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4, skip:
     of each row unscored."""
     if not 0 <= skip < input_ids.shape[1] - 1:
         raise ValueError(f"skip must be in [0, {input_ids.shape[1] - 1}), got {skip}")
+    device = next(model.parameters()).device
     total, count = 0.0, 0
     for start in range(0, len(input_ids), batch_size):
-        ids = input_ids[start : start + batch_size]
+        ids = input_ids[start : start + batch_size].to(device)
         logits = model(input_ids=ids, use_cache=False).logits.float()[:, skip:-1]
         targets = ids[:, skip + 1 :]
         total += F.cross_entropy(

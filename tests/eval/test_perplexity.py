@@ -119,3 +119,41 @@ def test_perplexity_on_ids_matches_hand_computation(skip, batch_size):
     assert perplexity_on_ids(model, rows, batch_size=batch_size, skip=skip) == pytest.approx(
         math.exp(total / count), rel=1e-5
     )
+
+
+class _Fed(Exception):
+    pass
+
+
+class _DeviceSpy(torch.nn.Module):
+    """A "model" whose weights sit on another device (meta): records the device of the ids it is fed, then stops."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, device="meta"))
+        self.devices = []
+
+    def forward(self, input_ids, **kwargs):
+        self.devices.append(input_ids.device)
+        raise _Fed
+
+
+@pytest.mark.parametrize("measure", ["compute_perplexity", "perplexity_on_ids", "decoding_perplexity", "cache_bytes"])
+def test_every_measurement_feeds_the_ids_on_the_models_device(measure):
+    # perplexity_on_ids and measure_cache_bytes_per_token fed CPU ids to a GPU model (the Palu quality benchmark
+    # failed there at its first row); the other two moved them already
+    from hf_accel.eval.memory import measure_cache_bytes_per_token
+    from hf_accel.eval.perplexity import decoding_perplexity, perplexity_on_ids
+
+    spy, ids = _DeviceSpy(), torch.randint(3, 97, (2, 8))
+    run = {
+        "compute_perplexity": lambda: compute_perplexity(
+            spy, ByteTokenizer(), "To be, or not to be", 8, progress=False
+        ),
+        "perplexity_on_ids": lambda: perplexity_on_ids(spy, ids),
+        "decoding_perplexity": lambda: decoding_perplexity(spy, ids),
+        "cache_bytes": lambda: measure_cache_bytes_per_token(spy, ids),
+    }[measure]
+    with pytest.raises(_Fed):
+        run()
+    assert spy.devices == [torch.device("meta")]
