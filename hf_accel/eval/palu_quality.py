@@ -83,6 +83,17 @@ def _evaluate(model, tokenizer, held_out: str, generated, config: PaluBenchConfi
     return row
 
 
+def fisher_rows(ids: torch.Tensor, config: PaluBenchConfig) -> torch.Tensor:
+    """The `fisher_samples` calibration rows that give the Fisher scores: half text windows, half generated sequences
+    (the first rows of each kind), the other kind filling in where one has fewer rows. `ids` holds the text windows
+    first, then the generated sequences (`mixed_calibration_ids`)."""
+    num_text = len(ids) - config.calib_generated_samples
+    generated = min(config.fisher_samples // 2, config.calib_generated_samples)
+    text = min(config.fisher_samples - generated, num_text)
+    generated = min(config.fisher_samples - text, config.calib_generated_samples)
+    return torch.cat([ids[:text], ids[num_text:][:generated]])
+
+
 def _check_residual_lengths(config: PaluBenchConfig) -> None:
     """Windows must leave predictions to score in every evaluation row (checked before anything runs)."""
     shortest = min([config.eval_seq_len] + ([config.generated_seq_len] if config.generated_samples else []))
@@ -193,11 +204,7 @@ def run_palu_quality_benchmark(
     )
     timings["calibration_s"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
-    generated_rows = config.fisher_samples // 2 if config.calib_generated_samples else 0  # half text, half generated
-    fisher_ids = torch.cat(
-        [ids[: config.fisher_samples - generated_rows], ids[config.calib_samples :][:generated_rows]]
-    )
-    fisher = collect_fisher_scores(model, fisher_ids, progress=progress)
+    fisher = collect_fisher_scores(model, fisher_rows(ids, config), progress=progress)
     timings["fisher_s"] = round(time.perf_counter() - start, 1)
     generated = None
     if config.generated_samples:

@@ -100,3 +100,21 @@ def test_grid_values_are_checked_before_anything_runs(bad, message):
     # the model is None: a check made after the calibration would fail on it instead
     with pytest.raises(ValueError, match=message):
         run_palu_quality_benchmark(None, None, "", "", PaluBenchConfig(**bad), False)
+
+
+@pytest.mark.parametrize(
+    "text,generated,fisher,expected",
+    [
+        (16, 16, 8, [0, 1, 2, 3, 16, 17, 18, 19]),  # the README's tables: 4 of each kind
+        (4, 2, 2, [0, 4]),
+        (2, 16, 8, [0, 1, 2, 3, 4, 5, 6, 7]),  # gave rows 0-3 and 2-5: generated 2, 3 twice
+        (16, 2, 8, [0, 1, 2, 3, 4, 5, 16, 17]),  # gave 6 rows, 4 text and 2 generated
+        (8, 0, 4, [0, 1, 2, 3]),
+    ],
+)
+def test_fisher_rows_are_distinct_half_text_half_generated(text, generated, fisher, expected):
+    from hf_accel.eval.palu_quality import fisher_rows
+
+    ids = torch.arange(text + generated)[:, None].expand(-1, 4)  # row i holds i: text windows, then generated rows
+    config = PaluBenchConfig(calib_samples=text, calib_generated_samples=generated, fisher_samples=fisher)
+    assert fisher_rows(ids, config)[:, 0].tolist() == expected
