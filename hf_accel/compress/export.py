@@ -74,11 +74,14 @@ def check_source_model(name: str, path: str) -> None:
 def uninitialized_model(model_class, config, dtype):
     """`model_class` built from `config` in `dtype` without random initialisation: [`load_converted_state`] then
     fills every parameter (strictly). At 1B shapes the initialisation took 23 s and 1 GB for weights thrown away; the
-    buffers computed at construction (RoPE frequencies) are set as usual."""
+    buffers computed at construction (RoPE frequencies) are set as usual. `no_init_weights` also skips the tying of
+    the output embedding to the input one (`tie_word_embeddings`), which is done here."""
     from transformers.initialization import no_init_weights
 
     with no_init_weights():
-        return model_class._from_config(config, dtype=dtype)
+        model = model_class._from_config(config, dtype=dtype)
+    model.tie_weights()
+    return model
 
 
 def load_converted_state(converted, state: dict, source, converter: str):

@@ -395,6 +395,21 @@ def test_converted_models_are_built_without_random_initialisation(monkeypatch):
         torch.testing.assert_close(converted(ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_converted_models_keep_tied_embeddings_tied(tie):
+    """`no_init_weights` skips `init_weights`, which also ties the output embedding to the input one: a converted
+    model of a tied source (SmolLM2, Llama-3.2-1B) held two copies of the embedding, which healing then trained apart."""
+    from hf_accel.compress.palu import convert_palu
+
+    model = make_tiny("llama", tie_word_embeddings=tie)
+    ids = torch.randint(3, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    care = run_care_conversion(model, None, CareConversionConfig(kv_keep=1.0, method="svd"), None, False).model
+    palu, _ = convert_palu(model, None, kv_keep=1.0, ranks="uniform", calibration_ids=ids, progress=False)
+    for converted in (care, palu):
+        assert (converted.lm_head.weight is converted.model.embed_tokens.weight) == tie
+        torch.testing.assert_close(converted.lm_head.weight, model.lm_head.weight)
+
+
 @pytest.mark.parametrize("method", ["care", "care-u"])
 def test_kv_keep_is_a_fraction_of_the_cache_width_when_it_exceeds_the_hidden_size(method):
     # K/V width 4 heads × 16 = 64 against a hidden size of 32: a matrix's rank is at most 32, yet kv_keep 0.5 keeps
