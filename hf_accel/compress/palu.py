@@ -97,7 +97,7 @@ class PaluConversionConfig:
             self.group_size = _integer("group_size", self.group_size, minimum=1)
         if self.ranks not in RANK_METHODS:
             raise ValueError(f"unknown rank allocation {self.ranks!r}; choose one of {', '.join(RANK_METHODS)}")
-        if self.quant_bits not in QUANT_BITS or isinstance(self.quant_bits, (bool, float)):
+        if not _is_integer(self.quant_bits) or self.quant_bits not in QUANT_BITS:  # 3.0 == 3, np.False_ == 0
             raise ValueError(f"quant_bits must be one of {QUANT_BITS}, got {self.quant_bits!r}")
         self.quant_bits = int(self.quant_bits)
         self.rank_multiple = _integer("rank_multiple", self.rank_multiple, minimum=1)
@@ -117,9 +117,14 @@ class PaluConversionConfig:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
 
 
+def _is_integer(value) -> bool:
+    """Whether `value` is an integer, a numpy one included: not a bool, nor a float (numpy's included) of whole value."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _integer(name: str, value, minimum: int) -> int:
     """`value` as a Python int (numpy integers included) of at least `minimum`; one line for anything else."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+    if not _is_integer(value) or value < minimum:
         kind = "positive" if minimum == 1 else "non-negative"
         raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
     return int(value)

@@ -198,6 +198,8 @@ def test_numpy_integers_are_taken_as_ints_and_bools_or_floats_refused():
         ({"rank_multiple": 8.0}, "rank_multiple must be a positive integer"),
         ({"group_size": True}, "group_size must be a positive integer"),
         ({"quant_bits": 3.0}, "quant_bits must be one of"),
+        ({"quant_bits": np.float32(3.0)}, "quant_bits must be one of"),  # not a Python float, yet == 3
+        ({"quant_bits": np.False_}, "quant_bits must be one of"),  # not a Python bool, yet == 0
         ({"quant_group_size": -1}, "quant_group_size must be a non-negative integer"),
     ]:
         with pytest.raises(ValueError, match=message):
