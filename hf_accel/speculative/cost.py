@@ -64,13 +64,16 @@ class PassCostModel:
 
     def cost(self, num_tokens: int) -> float:
         """Estimated cost (seconds once anything was observed, default units before)."""
-        if num_tokens in self.observed:
-            return self.observed[num_tokens]
+        # a snapshot: a drafter serving `generate` calls in several threads observes a new pass size meanwhile, and
+        # the scan below failed with 'dictionary changed size during iteration'
+        observed = self.observed.copy()
+        if num_tokens in observed:
+            return observed[num_tokens]
         default = interpolate_cost(num_tokens, self.default_points)
-        if not self.observed:
+        if not observed:
             return default
-        nearest = min(self.observed, key=lambda t: abs(math.log(t) - math.log(num_tokens)))
-        return default / interpolate_cost(nearest, self.default_points) * self.observed[nearest]
+        nearest = min(observed, key=lambda t: abs(math.log(t) - math.log(num_tokens)))
+        return default / interpolate_cost(nearest, self.default_points) * observed[nearest]
 
     def needs_anchor(self, num_tokens: int) -> bool:
         """Whether a pass over `num_tokens` (a plain decoding pass) was never measured: worth one exploration."""

@@ -215,6 +215,26 @@ def test_cost_model_learns_from_observed_passes():
     assert choose_tree_width(scores, model, 16) == 3  # only the confident nodes are worth it now
 
 
+def test_cost_model_estimates_while_another_thread_observes_a_new_pass_size(monkeypatch):
+    """One drafter serving `generate` calls in two threads: a pass size observed in one while the other's `cost`
+    scans the observed sizes for the nearest (simulated here at the scan's first step) failed that thread's
+    `generate` with 'dictionary changed size during iteration'."""
+    from hf_accel.speculative import cost
+
+    model = cost.PassCostModel(momentum=0.0)
+    model.observe(1, 0.2)
+    model.observe(16, 0.6)
+    expected = model.cost(12)  # scaled from 16, the nearest observed size
+    log = cost.math.log
+
+    def log_while_another_thread_observes(x):
+        model.observe(1000 + len(model.observed), 1.0)
+        return log(x)
+
+    monkeypatch.setattr(cost.math, "log", log_while_another_thread_observes)
+    assert model.cost(12) == expected
+
+
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
