@@ -260,12 +260,13 @@ class InfinigramDrafter:
 
     def update(self, result) -> None:
         """Learns the pass cost (engine timing) and the acceptance rate by score (accepted nodes) of each pass."""
+        # this thread's pending proposal, removed: a thread that ends leaves nothing behind
+        proposed = self._proposed.pop(threading.get_ident(), {})
         if result.is_prefill:
             return
         self.cost_model.observe(result.num_input_tokens, result.pass_seconds)
         if self.calibrator is None:
             return
-        proposed = self._proposed.get(threading.get_ident(), {})
         for b, row in enumerate(result.rows.tolist()):
             if row not in proposed:
                 continue
