@@ -110,8 +110,10 @@ class PaluConversionConfig:
         self.residual_length = _integer("residual_length", self.residual_length, minimum=0)
         if self.residual_length and not self.quant_bits:
             raise ValueError("residual_length is a full-precision window of a quantized cache: it needs quant_bits")
-        if self.calib_samples < 1 or self.calib_seq_len < 2 or (self.ranks == "fisher" and self.fisher_samples < 1):
-            raise ValueError("calib_samples, fisher_samples must be ≥ 1 and calib_seq_len ≥ 2")
+        self.calib_samples = _integer("calib_samples", self.calib_samples, minimum=1)
+        self.calib_seq_len = _integer("calib_seq_len", self.calib_seq_len, minimum=2)
+        self.fisher_samples = _integer("fisher_samples", self.fisher_samples, minimum=int(self.ranks == "fisher"))
+        self.seed = int(self.seed) if _is_integer(self.seed) else self.seed  # None: unseeded window sampling
         check_shrinkage(self.alpha, self.lam_frac)
         if self.kernel_backend not in KERNEL_BACKENDS:  # before calibration, not when the model is built
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
@@ -125,8 +127,8 @@ def _is_integer(value) -> bool:
 def _integer(name: str, value, minimum: int) -> int:
     """`value` as a Python int (numpy integers included) of at least `minimum`; one line for anything else."""
     if not _is_integer(value) or value < minimum:
-        kind = "positive" if minimum == 1 else "non-negative"
-        raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer ≥ {minimum}")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
     return int(value)
 
 

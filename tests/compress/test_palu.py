@@ -189,11 +189,13 @@ def test_numpy_integers_are_taken_as_ints_and_bools_or_floats_refused():
 
     config = PaluConversionConfig(
         group_size=np.int64(2), rank_multiple=np.int32(8), quant_bits=np.int64(3), quant_group_size=np.int64(4),
-        residual_length=np.int64(16),
+        residual_length=np.int64(16), calib_samples=np.int64(8), calib_seq_len=np.int64(32),
+        fisher_samples=np.int64(4), seed=np.int64(1),
     )  # fmt: skip
     settings = dataclasses.asdict(config)
     assert json.loads(json.dumps(settings)) == settings  # what the saved checkpoint's JSON takes
-    assert all(type(settings[k]) is int for k in ("group_size", "rank_multiple", "quant_bits", "quant_group_size"))
+    integers = ("group_size", "rank_multiple", "quant_bits", "quant_group_size", "calib_samples", "calib_seq_len")
+    assert all(type(settings[k]) is int for k in (*integers, "fisher_samples", "seed"))
     for bad, message in [
         ({"rank_multiple": 8.0}, "rank_multiple must be a positive integer"),
         ({"group_size": True}, "group_size must be a positive integer"),
@@ -201,6 +203,8 @@ def test_numpy_integers_are_taken_as_ints_and_bools_or_floats_refused():
         ({"quant_bits": np.float32(3.0)}, "quant_bits must be one of"),  # not a Python float, yet == 3
         ({"quant_bits": np.False_}, "quant_bits must be one of"),  # not a Python bool, yet == 0
         ({"quant_group_size": -1}, "quant_group_size must be a non-negative integer"),
+        ({"calib_seq_len": 1}, "calib_seq_len must be an integer ≥ 2, got 1"),
+        ({"ranks": "fisher", "fisher_samples": 0}, "fisher_samples must be a positive integer"),
     ]:
         with pytest.raises(ValueError, match=message):
             PaluConversionConfig(**bad)
