@@ -503,7 +503,8 @@ def convert_palu(
     elif conversion.ranks == "uniform":
         k_ranks, v_ranks = uniform_group_ranks(width, kv_keep, conversion.rank_multiple, num_layers, max_rank=max_rank)
     start = time.perf_counter()
-    full, sigmas = _factorize_layers(model, calibration, conversion, group_size, reused, kfac, progress)
+    layout = {"num_key_value_heads": n_kv, "head_dim": head_dim, "group_size": group_size}
+    full, sigmas = _factorize_layers(model, calibration, conversion, layout, reused, kfac, progress)
     if kfac:
         k_ranks, v_ranks = kfac_group_ranks(sigmas, width, kv_keep, conversion.rank_multiple, max_rank=max_rank)
     layer_factors = [
@@ -534,14 +535,12 @@ def convert_palu(
     return palu, info
 
 
-def _factorize_layers(model, calibration, conversion, group_size: int, reused: bool, kfac: bool, progress: bool):
+def _factorize_layers(model, calibration, conversion, layout: dict, reused: bool, kfac: bool, progress: bool):
     """Per layer, `(K groups, V groups)` full-rank whitened factors, and with `kfac` the σ of each group's two-sided
-    SVD (`√C·W_g·√G_g`, for the ranks only). One layer's whitening scales at a time unless `reused` (a caller's
-    calibration, which caches them for the conversions that share it)."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    common = {"num_key_value_heads": cfg.num_key_value_heads, "head_dim": head_dim, "group_size": group_size}
-    common.update(alpha=conversion.alpha, lam_frac=conversion.lam_frac)
+    SVD (`√C·W_g·√G_g`, for the ranks only). `layout`: [`factorize_groups`]'s `num_key_value_heads`, `head_dim` and
+    `group_size`. One layer's whitening scales at a time unless `reused` (a caller's calibration, which caches them
+    for the conversions that share it)."""
+    common = dict(layout, alpha=conversion.alpha, lam_frac=conversion.lam_frac)
     full, sigmas = [], []
     for idx, layer in enumerate(tqdm(model.model.layers, desc="factorize", unit="layer", disable=not progress)):
         attn = layer.self_attn
