@@ -261,8 +261,9 @@ class DrafterCandidateGenerator(CandidateGenerator):
         # (GPT-2, OPT) have no position for them when `max_length` is the table's size
         self._chain_nodes = _first_chain(tree)[: max(0, int(request.max_depth[0]))]
         chain = tree.input_ids[0, self._chain_nodes].tolist() if self._chain_nodes else []
-        check_draft_ids(torch.tensor(chain, dtype=torch.long), self.vocab_size)
-        candidates = torch.cat([input_ids, torch.tensor([chain], dtype=torch.long, device=input_ids.device)], 1)
+        chain = torch.tensor([chain], dtype=torch.long, device=input_ids.device)
+        check_draft_ids(chain, self.vocab_size)
+        candidates = torch.cat([input_ids, chain], 1)
         self._pass_start = time.perf_counter()
         return candidates, None
 
