@@ -126,7 +126,6 @@ def write_token_stream(documents: Iterable[Sequence[int]], path: Path, vocab_siz
                 raise ValueError(f"document {number} is not a flat sequence of token ids (shape {array.shape})")
             if array.dtype.kind not in "iu":  # floats would be truncated to other ids, bools read as 0 and 1
                 raise ValueError(f"document {number} holds {array.dtype} values, not integer token ids")
-            array = array.astype(np.int64)
             if array.min() < 0 or array.max() >= vocab_size:
                 raise ValueError(f"document {number} has token ids outside [0, {vocab_size})")
             stream.write(array.astype("<u4").tobytes())
