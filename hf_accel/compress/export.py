@@ -160,34 +160,66 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
     """Yields a temporary directory that becomes `out_dir` when the block succeeds (and is deleted if it fails).
 
     The directory's name carries this process's id and host, so a later call for the same `out_dir` removes the ones
-    killed processes left (no `except` runs on SIGKILL or the OOM killer, and they hold a whole checkpoint's weights).
+    killed processes left (no `except` runs on SIGKILL or the OOM killer, and they hold a whole checkpoint's weights);
+    the same holds for the earlier checkpoint set aside during the swap. The swap holds a lock on the parent
+    directory, so two processes finishing at once replace `out_dir` one after the other.
 
     Raises:
         `ValueError` from [`check_output_dir`].
     """
     out = check_output_dir(out_dir, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    prefix, host = f".{out.name}-tmp-", _host_name()
-    for stale in out.parent.glob(glob.escape(prefix) + "*"):  # a killed conversion's (OOM, SIGKILL): GBs of weights
-        pid, other_host = _scratch_owner(stale.name, prefix)
-        if other_host == host and not _process_alive(pid):
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}@{host}-", dir=out.parent))
+    host = _host_name()
+    for kind in ("tmp", "old"):
+        _remove_dead_scratch(out.parent, f".{out.name}-{kind}-", host)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-{os.getpid()}@{host}-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the checkpoint gets the usual permissions
     try:
         yield tmp
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}-old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
+        with _directory_lock(out.parent):
+            old = None
+            if out.exists():
+                old = out.parent / f".{out.name}-old-{os.getpid()}@{host}"
+                os.replace(out, old)
+            os.replace(tmp, out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def _directory_lock(directory: Path):
+    """An exclusive `flock` on `directory` itself for the block: no lock file is left in an artifact's folder. Where
+    the platform or filesystem has no `flock` (Windows, some network mounts), the block runs unlocked."""
+    try:
+        import fcntl
+
+        fd = os.open(directory, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_dead_scratch(folder: Path, prefix: str, host: str, older_names: bool = False) -> None:
+    """Removes the `{prefix}{pid}@{host}...` entries of `folder` whose process is gone from this machine (a normal
+    exit always removes its own; SIGKILL and the OOM killer leave them). `older_names`: also those named before the
+    host was added (`{prefix}{pid}-...`)."""
+    for stale in folder.glob(glob.escape(prefix) + "*"):
+        pid, other_host = _scratch_owner(stale.name, prefix)
+        if (other_host == host or (older_names and other_host == "")) and not _process_alive(pid):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _host_name() -> str:
@@ -196,7 +228,7 @@ def _host_name() -> str:
 
 
 def _scratch_owner(name: str, prefix: str) -> tuple[str, str]:
-    """`(pid, host)` of a scratch directory named `{prefix}{pid}@{host}-...` (`host` is empty in older names)."""
+    """`(pid, host)` of a scratch directory named `{prefix}{pid}@{host}[-...]` (`host` is empty in older names)."""
     pid, _, host = name.removeprefix(prefix).partition("-")[0].partition("@")
     return pid, host
 
@@ -222,7 +254,8 @@ def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
     an artifact added to a directory).
 
     Entries named in `last` are removed from `out_dir` before anything moves and moved in after everything else, so
-    an interrupted swap leaves no `last` file beside a mix of old and new ones (an index's header). Staging inside
+    an interrupted swap leaves no `last` file beside a mix of old and new ones (an index's header); the swap holds a
+    lock on `out_dir`, so two processes swapping into it at once do so one after the other. Staging inside
     `out_dir` keeps every move on its filesystem (it may be a mount point or a link elsewhere). On failure the scratch
     directory, and the directories this call created for `out_dir` while they are still empty, are removed.
 
@@ -233,21 +266,19 @@ def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     host = _host_name()
-    for stale in out.glob(".staging-*"):  # left by a killed process (a normal exit always removes its own)
-        pid, other_host = _scratch_owner(stale.name, ".staging-")
-        if other_host in ("", host) and not _process_alive(pid):  # "": an older name, with no pid
-            shutil.rmtree(stale, ignore_errors=True)
+    _remove_dead_scratch(out, ".staging-", host, older_names=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}@{host}-", dir=out))
     try:
         yield tmp
-        for name in last:
-            (out / name).unlink(missing_ok=True)
-        staged = sorted(p.name for p in tmp.iterdir())
-        for name in [n for n in staged if n not in last] + [n for n in last if n in staged]:
-            target = out / name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(tmp / name, target)
+        with _directory_lock(out):  # two builds swapping at once would leave one's header beside the other's data
+            for name in last:
+                (out / name).unlink(missing_ok=True)
+            staged = sorted(p.name for p in tmp.iterdir())
+            for name in [n for n in staged if n not in last] + [n for n in last if n in staged]:
+                target = out / name
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                os.replace(tmp / name, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for directory in created:

@@ -1,0 +1,64 @@
+import os
+import socket
+import threading
+
+import pytest
+
+from hf_accel.compress.export import atomic_output_dir, staged_files
+
+
+fcntl = pytest.importorskip("fcntl")
+
+
+def _lock(directory):
+    """Another process's lock on `directory`, as the swaps take it (an exclusive `flock` on the directory itself)."""
+    fd = os.open(directory, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _visible(folder):
+    return sorted(n for n in os.listdir(folder) if not n.startswith("."))
+
+
+def _write_index(out):
+    with staged_files(out, last=("header.json",)) as tmp:
+        (tmp / "sa.bin").write_bytes(b"new")
+        (tmp / "header.json").write_text("{}")
+
+
+def _write_checkpoint(out):
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "config.json").write_text('{"model_type": "llama"}')
+        (tmp / "model.safetensors").write_bytes(b"new")
+
+
+@pytest.mark.parametrize("write, locked", [(_write_index, "out"), (_write_checkpoint, "parent")])
+def test_a_swap_waits_for_another_process_s_swap_into_the_same_directory(tmp_path, write, locked):
+    """Two index builds swapping their files into one directory at once could leave one's header beside the other's
+    suffix array (and it loads when the token counts agree); two conversions could both move the old checkpoint."""
+    out = tmp_path / "artifact"
+    out.mkdir()
+    fd = _lock(out if locked == "out" else tmp_path)
+    writer = threading.Thread(target=write, args=(out,))
+    try:
+        writer.start()
+        writer.join(timeout=0.5)
+        assert writer.is_alive() and _visible(out) == []  # written, waiting to swap
+    finally:
+        os.close(fd)
+    writer.join(timeout=30)
+    assert not writer.is_alive() and _visible(out) in (["header.json", "sa.bin"], ["config.json", "model.safetensors"])
+
+
+def test_a_checkpoint_set_aside_by_a_killed_swap_is_removed_by_the_next_conversion(tmp_path):
+    """Between its two renames a conversion holds the earlier checkpoint under a hidden name; killed there, it would
+    leave a whole checkpoint behind for good."""
+    host = socket.gethostname().replace("-", "_")
+    dead = tmp_path / f".care-old-999999999@{host}"
+    live = tmp_path / f".care-old-{os.getppid()}@{host}"  # a running process's swap (pytest's parent)
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"old")
+    _write_checkpoint(tmp_path / "care")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["care", live.name])
