@@ -212,7 +212,7 @@ class VerifyResult:
 class _DecodeState:
     """Mutable per-call bookkeeping: committed tokens, active rows, cache validity and positions."""
 
-    def __init__(self, input_ids, attention_mask, max_length, pad_token_id, position_ids=None):
+    def __init__(self, input_ids, attention_mask, max_length, pad_token_id, position_ids=None, position_limit=None):
         batch_size, self.prompt_length = input_ids.shape
         device = input_ids.device
         self.sequences = torch.full((batch_size, max_length), pad_token_id, dtype=torch.long, device=device)
@@ -230,12 +230,21 @@ class _DecodeState:
         else:
             self.next_position = attention_mask.sum(-1)
         self.max_length = max_length
+        self.position_limit = position_limit
+
+    def max_depth(self) -> torch.LongTensor:
+        """`[B_active]`: the deepest draft node that can still be committed (`max_length`) and, for a model with a
+        position table, still has a position in it (a row may stop at EOS before plain decoding reaches its end)."""
+        depth = self.max_length - self.lengths[self.rows] - 1
+        if self.position_limit is not None:
+            depth = torch.minimum(depth, (self.position_limit - 1 - self.next_position).clamp(min=0))
+        return depth
 
     def request(self, do_sample: bool) -> DraftRequest:
         lengths = self.lengths[self.rows]
         return DraftRequest(
             self.sequences[self.rows], lengths, self.prompt_length, self.prompt_mask[self.rows], self.rows,
-            self.max_length - lengths - 1, do_sample,
+            self.max_depth(), do_sample,
         )  # fmt: skip
 
 
@@ -306,6 +315,19 @@ def attention_window(config) -> tuple[int | None, bool]:
     return next(iter(windowed))[1], per_layer_type
 
 
+def position_table_size(model) -> int | None:
+    """How many positions `model` reads from a fixed table (GPT-2's and OPT's learned positions, GPT-J's sinusoids):
+    its config's `max_position_embeddings`; `None` for rotary models, which go on past it as plain `generate` does.
+
+    Draft nodes past the table are never verified: plain decoding may stop (EOS) before it reaches the table's end,
+    and a node there would make the model index out of it.
+    """
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is None or any("Rotary" in type(module).__name__ for module in model.modules()):
+        return None
+    return int(limit)
+
+
 def _declares_layer_types(config) -> bool:
     """Whether `config`'s class takes a `layer_types` argument, which its model reads to build one mask per layer
     type; a class without one keeps a given `layer_types` as an extra key that its model never reads."""
@@ -372,7 +394,14 @@ class SpeculativeEngine:
         """Decodes until every row stops; returns `sequences` `[B, prompt_length + generated]`."""
         start = time.perf_counter()
         pad = _pad_token_id(self.generation_config)
-        state = _DecodeState(input_ids, attention_mask, self.generation_config.max_length, pad, position_ids)
+        state = _DecodeState(
+            input_ids,
+            attention_mask,
+            self.generation_config.max_length,
+            pad,
+            position_ids,
+            position_table_size(self.model),
+        )
         if hasattr(self.drafter, "begin"):
             self.drafter.begin(input_ids, state.prompt_mask, self.generation_config)
         cache = self._prefill(state, input_ids, attention_mask, past_key_values, position_ids)
@@ -488,8 +517,8 @@ class SpeculativeEngine:
         node_valid = torch.ones_like(tree_ids, dtype=torch.bool)
         if tree.node_mask is not None:
             node_valid[:, 1:] = tree.node_mask.to(device)
-        # Never verify deeper than what can still be committed (max_length).
-        max_depth = state.max_length - state.lengths[state.rows] - 1  # [B]
+        # Never verify deeper than what can still be committed (max_length), or past a position table's end.
+        max_depth = state.max_depth()  # [B]
         node_valid &= depths[:, :num_nodes] <= max_depth[:, None]
         self.stats.draft_nodes += int(node_valid[:, 1:].sum())
 

@@ -26,7 +26,14 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import SynthIDTextWatermarkLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMode
 
-from .engine import DraftRequest, SpeculativeEngine, VerifyResult, check_draft_ids, input_vocab_size
+from .engine import (
+    DraftRequest,
+    SpeculativeEngine,
+    VerifyResult,
+    check_draft_ids,
+    input_vocab_size,
+    position_table_size,
+)
 from .tree import DraftTree
 
 
@@ -235,11 +242,16 @@ class DrafterCandidateGenerator(CandidateGenerator):
         generation_config (`GenerationConfig`): the call's config (for `do_sample` and `max_length`).
         prompt_length (`int`): length of the prompt in `input_ids`.
         vocab_size (`int`, *optional*): the target's input vocabulary; drafts of other ids are refused in one line.
+        position_limit (`int`, *optional*): the size of the target's position table, if it has one; no draft token
+            is placed past it.
     """
 
-    def __init__(self, drafter, generation_config, prompt_length: int, vocab_size: int | None = None):
+    def __init__(
+        self, drafter, generation_config, prompt_length: int, vocab_size: int | None = None, position_limit=None
+    ):
         self.drafter = drafter
         self.vocab_size = vocab_size
+        self.position_limit = position_limit
         self.generation_config = generation_config
         self.prompt_length = prompt_length
         self.drafter_time_s = 0.0
@@ -249,10 +261,12 @@ class DrafterCandidateGenerator(CandidateGenerator):
         if input_ids.shape[0] != 1:
             raise ValueError("transformers' assisted loop supports batch size 1; use `custom_generate` for batches")
         length = input_ids.shape[1]
+        max_depth = self.generation_config.max_length - length - 1
+        if self.position_limit is not None:  # the root sits at position `length - 1`
+            max_depth = min(max_depth, max(0, self.position_limit - length))
         request = DraftRequest(
             input_ids, torch.tensor([length]), self.prompt_length, torch.ones_like(input_ids[:, : self.prompt_length]),
-            torch.tensor([0]), torch.tensor([self.generation_config.max_length - length - 1]),
-            bool(self.generation_config.do_sample),
+            torch.tensor([0]), torch.tensor([max_depth]), bool(self.generation_config.do_sample),
         )  # fmt: skip
         tic = time.perf_counter()
         tree = self.drafter.propose(request)
@@ -311,7 +325,7 @@ def assisted_generate(
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)
     candidate_generator = DrafterCandidateGenerator(
-        drafter, generation_config, input_ids.shape[1], input_vocab_size(model)
+        drafter, generation_config, input_ids.shape[1], input_vocab_size(model), position_table_size(model)
     )
     # `_assisted_decoding` builds its generator with `_get_candidate_generator`; shadow that method on this instance
     # while calls are in flight (transformers 5.23 has no public hook to pass a CandidateGenerator in), each thread

@@ -931,3 +931,30 @@ def test_a_drafter_s_last_stats_never_describe_an_earlier_call(tiny_llama):
     assert torch.equal(out, reference) and drafter.last_stats is out.speculative_stats
     tiny_llama.generate(input_ids[:1], max_new_tokens=8, custom_generate=assisted_generate, drafter=drafter)
     assert drafter.last_stats is None
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+@pytest.mark.parametrize("loop", [custom_generate, assisted_generate])
+def test_drafts_past_a_position_table_are_not_verified_when_eos_comes_first(family, loop):
+    """`max_new_tokens` runs past GPT-2's / OPT's position table, but the text reaches EOS before it: plain `generate`
+    stops there; drafts placed past the table's end made the model index out of it (IndexError)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5,
+                            bos_token_id=1, eos_token_id=2)  # fmt: skip
+        model = GPT2LMHeadModel(config).eval()
+    else:
+        config = OPTConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                           max_position_embeddings=64, word_embed_proj_dim=32, init_std=0.5)  # fmt: skip
+        model = OPTForCausalLM(config).eval()
+    input_ids = torch.randint(3, 97, (1, 55))
+    free = model.generate(input_ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)[0]
+    # a token first emitted at position 57 to 60 (the table ends at 63): drafts 12 deep reach past the end
+    eos = next(int(t) for i, t in enumerate(free[57:], 57) if t not in free[55:i])
+    kwargs = {"input_ids": input_ids, "max_new_tokens": 30, "do_sample": False, "eos_token_id": eos, "pad_token_id": 0}
+    reference = model.generate(**kwargs)
+    assert 58 <= reference.shape[1] <= 61
+    drafter = ReferenceDrafter(torch.cat([free, torch.randint(3, 97, (40,))])[None], depth=12, corrupt_every=0)
+    assert torch.equal(model.generate(**kwargs, custom_generate=loop, drafter=drafter), reference)
