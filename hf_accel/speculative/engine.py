@@ -233,8 +233,8 @@ class _DecodeState:
         self.position_limit = position_limit
 
     def max_depth(self) -> torch.LongTensor:
-        """`[B_active]`: the deepest draft node that can still be committed (`max_length`) and, for a model with a
-        position table, still has a position in it (a row may stop at EOS before plain decoding reaches its end)."""
+        """`[B_active]`: the deepest draft node that can still be committed (`max_length`) and sits before the
+        model's [`draft_position_limit`]."""
         depth = self.max_length - self.lengths[self.rows] - 1
         if self.position_limit is not None:
             depth = torch.minimum(depth, (self.position_limit - 1 - self.next_position).clamp(min=0))
@@ -315,17 +315,29 @@ def attention_window(config) -> tuple[int | None, bool]:
     return next(iter(windowed))[1], per_layer_type
 
 
-def position_table_size(model) -> int | None:
-    """How many positions `model` reads from a fixed table (GPT-2's and OPT's learned positions, GPT-J's sinusoids):
-    its config's `max_position_embeddings`; `None` for rotary models, which go on past it as plain `generate` does.
+def draft_position_limit(model) -> int | None:
+    """The first position no draft node may take, or `None`.
 
-    Draft nodes past the table are never verified: plain decoding may stop (EOS) before it reaches the table's end,
-    and a node there would make the model index out of it.
+    - A fixed position table (GPT-2's and OPT's learned positions, GPT-J's sinusoids): its size, the config's
+      `max_position_embeddings`. Plain decoding may stop (EOS) before it reaches the table's end; a node past it
+      would make the model index out of the table.
+    - Dynamic (NTK) RoPE: the `max_position_embeddings` its rotary embedding starts from. Past it the frequencies grow
+      with the largest position of each pass, so a pass must hold no position beyond the root's: plain decoding's
+      one-token steps (drafting stops there).
+
+    Other rotary models go on past `max_position_embeddings` as plain `generate` does: `None`.
     """
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if limit is None or any("Rotary" in type(module).__name__ for module in model.modules()):
-        return None
-    return int(limit)
+    rotary = [module for module in model.modules() if "Rotary" in type(module).__name__]
+    if not rotary:
+        limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        return None if limit is None else int(limit)
+    limits = []
+    for module in rotary:
+        rope_types = getattr(module, "rope_type", None)
+        rope_types = rope_types.values() if isinstance(rope_types, dict) else [rope_types]  # one per layer type
+        if any("dynamic" in str(rope_type) for rope_type in rope_types):
+            limits.append(int(module.original_max_seq_len))
+    return min(limits, default=None)
 
 
 def _declares_layer_types(config) -> bool:
@@ -400,7 +412,7 @@ class SpeculativeEngine:
             self.generation_config.max_length,
             pad,
             position_ids,
-            position_table_size(self.model),
+            draft_position_limit(self.model),
         )
         if hasattr(self.drafter, "begin"):
             self.drafter.begin(input_ids, state.prompt_mask, self.generation_config)

@@ -31,8 +31,8 @@ from .engine import (
     SpeculativeEngine,
     VerifyResult,
     check_draft_ids,
+    draft_position_limit,
     input_vocab_size,
-    position_table_size,
 )
 from .tree import DraftTree
 
@@ -242,8 +242,8 @@ class DrafterCandidateGenerator(CandidateGenerator):
         generation_config (`GenerationConfig`): the call's config (for `do_sample` and `max_length`).
         prompt_length (`int`): length of the prompt in `input_ids`.
         vocab_size (`int`, *optional*): the target's input vocabulary; drafts of other ids are refused in one line.
-        position_limit (`int`, *optional*): the size of the target's position table, if it has one; no draft token
-            is placed past it.
+        position_limit (`int`, *optional*): the target's [`~engine.draft_position_limit`]: no draft token is placed
+            at or past it.
     """
 
     def __init__(
@@ -325,7 +325,7 @@ def assisted_generate(
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)
     candidate_generator = DrafterCandidateGenerator(
-        drafter, generation_config, input_ids.shape[1], input_vocab_size(model), position_table_size(model)
+        drafter, generation_config, input_ids.shape[1], input_vocab_size(model), draft_position_limit(model)
     )
     # `_assisted_decoding` builds its generator with `_get_candidate_generator`; shadow that method on this instance
     # while calls are in flight (transformers 5.23 has no public hook to pass a CandidateGenerator in), each thread

@@ -958,3 +958,17 @@ def test_drafts_past_a_position_table_are_not_verified_when_eos_comes_first(fami
     assert 58 <= reference.shape[1] <= 61
     drafter = ReferenceDrafter(torch.cat([free, torch.randint(3, 97, (40,))])[None], depth=12, corrupt_every=0)
     assert torch.equal(model.generate(**kwargs, custom_generate=loop, drafter=drafter), reference)
+
+
+@pytest.mark.parametrize("loop", [custom_generate, assisted_generate])
+def test_dynamic_rope_past_max_position_embeddings_keeps_greedy_identity(loop):
+    """Dynamic NTK RoPE grows its frequencies with the largest position of each pass once past
+    `max_position_embeddings`: a pass holding drafts beyond its root RoPE'd the root (and every node) with frequencies
+    plain decoding only reaches later, and the text changed there."""
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = make_tiny_llama(max_position_embeddings=64, initializer_range=0.3, vocab_size=500, rope_parameters=rope)
+    input_ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    kwargs = {"input_ids": input_ids, "max_new_tokens": 60, "do_sample": False}
+    reference = model.generate(**kwargs)
+    drafter = ReferenceDrafter(reference, depth=8, corrupt_every=3)
+    assert torch.equal(model.generate(**kwargs, custom_generate=loop, drafter=drafter), reference)
