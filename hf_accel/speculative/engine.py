@@ -340,6 +340,28 @@ def draft_position_limit(model) -> int | None:
     return min(limits, default=None)
 
 
+def longrope_switch(model) -> int | None:
+    """The sequence length past which `model`'s longrope RoPE (Phi-3 and its kind) switches every position from its
+    short factors to its long ones (`original_max_position_embeddings`), or `None` without longrope.
+
+    A pass's factors follow its largest position, and Phi-3's `generate` recomputes the whole cache with the long
+    factors when the sequence crosses that length: no verification pass can follow either, so speculative decoding
+    refuses calls that may cross it.
+    """
+    switches = []
+    for module in model.modules():
+        if "Rotary" not in type(module).__name__:
+            continue
+        rope_types = getattr(module, "rope_type", None)
+        per_layer_type = isinstance(rope_types, dict)
+        for layer_type, rope_type in rope_types.items() if per_layer_type else [(None, rope_types)]:
+            if rope_type == "longrope":
+                parameters = module.config.rope_parameters
+                parameters = parameters[layer_type] if per_layer_type else parameters
+                switches.append(int(parameters["original_max_position_embeddings"]))
+    return min(switches, default=None)
+
+
 def _declares_layer_types(config) -> bool:
     """Whether `config`'s class takes a `layer_types` argument, which its model reads to build one mask per layer
     type; a class without one keeps a given `layer_types` as an extra key that its model never reads."""

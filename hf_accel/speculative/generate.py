@@ -33,6 +33,7 @@ from .engine import (
     check_draft_ids,
     draft_position_limit,
     input_vocab_size,
+    longrope_switch,
 )
 from .tree import DraftTree
 
@@ -139,6 +140,16 @@ def _validate_call(loop: str, model, drafter, generation_config, logits_processo
             "PEFT's mixed-adapter batches (`adapter_names`) run with batch size 1 in speculative decoding: a row that "
             "finishes leaves the batch, which PEFT's per-row adapter list cannot follow; generate each adapter's rows "
             "in their own call (`set_adapter`)"
+        )
+    switch = longrope_switch(model)
+    prompt_mask = model_kwargs.get("attention_mask")
+    shortest = int(prompt_mask.sum(-1).min()) if prompt_mask is not None else input_ids.shape[1]
+    if switch is not None and shortest <= switch < generation_config.max_length:
+        raise ValueError(
+            f"{type(model).__name__}'s longrope RoPE switches every position to its long factors once a sequence "
+            f"passes {switch} tokens (`original_max_position_embeddings`), which speculative decoding cannot follow "
+            f"mid-generation: keep prompt + new tokens within {switch} (every prompt longer is fine), or use plain "
+            "`generate`"
         )
     # drafters read tokens; transformers' assisted loop would also run its first pass on the prompt's embeddings
     # alone, without the draft, and accept drafts against the wrong logits

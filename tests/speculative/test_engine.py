@@ -972,3 +972,37 @@ def test_dynamic_rope_past_max_position_embeddings_keeps_greedy_identity(loop):
     reference = model.generate(**kwargs)
     drafter = ReferenceDrafter(reference, depth=8, corrupt_every=3)
     assert torch.equal(model.generate(**kwargs, custom_generate=loop, drafter=drafter), reference)
+
+
+def _tiny_longrope_phi3():
+    """A Phi-3 whose longrope switches to its long factors past 64 tokens (Phi-3-mini-128k: past 4,096)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
+    config = Phi3Config(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=64,
+        initializer_range=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_parameters=rope,
+    )  # fmt: skip
+    return Phi3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("loop", [custom_generate, assisted_generate])
+def test_generation_across_a_longrope_switch_is_refused_in_one_line(loop):
+    """Phi-3's `generate` recomputes the whole cache with the long factors when the sequence passes
+    `original_max_position_embeddings`, and a pass's factors follow its largest position: speculative text differed
+    from plain greedy there. Calls that start past the switch, or end before it, run (and stay identical)."""
+    model = _tiny_longrope_phi3()
+    generator = torch.Generator().manual_seed(0)
+    short, long = (
+        torch.randint(3, 500, (1, 40), generator=generator),
+        torch.randint(3, 500, (1, 70), generator=generator),
+    )
+    for input_ids, max_new_tokens in ((short, 24), (long, 30)):
+        kwargs = {"input_ids": input_ids, "max_new_tokens": max_new_tokens, "do_sample": False}
+        reference = model.generate(**kwargs)
+        drafter = ReferenceDrafter(reference, depth=8, corrupt_every=3)
+        assert torch.equal(model.generate(**kwargs, custom_generate=loop, drafter=drafter), reference)
+    with pytest.raises(ValueError, match="longrope"):
+        model.generate(short, max_new_tokens=60, custom_generate=loop, drafter=ReferenceDrafter(reference))
