@@ -483,7 +483,8 @@ class SpeculativeEngine:
         validate_cache_for_speculation(cache)
         if cache.get_seq_length() > 0:
             raise ValueError(
-                "speculative decoding starts from an empty cache; pass no `past_key_values` (or an empty one)"
+                "speculative decoding starts from an empty cache; pass no `past_key_values` (or an empty one): to "
+                "continue a conversation, pass its whole text as the prompt"
             )
         if position_ids is None:
             position_ids = (state.prompt_mask.cumsum(-1) - 1).clamp(min=0)

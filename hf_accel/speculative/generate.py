@@ -330,6 +330,14 @@ def assisted_generate(
 ):  # fmt: skip
     """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`])."""
     _validate_call("assisted_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and cache.get_seq_length() > 0:
+        # transformers' assisted loop feeds its first pass the whole `input_ids` on top of the cached tokens (its own
+        # prompt lookup does too): continuing from a filled cache would decode garbage
+        raise ValueError(
+            "speculative decoding starts from an empty cache; pass no `past_key_values` (or an empty one): to continue "
+            "a conversation, pass its whole text as the prompt"
+        )
     if hasattr(drafter, "last_stats"):
         drafter.last_stats = None  # an earlier `custom_generate` call's: transformers' loop keeps no such statistics
     streamer = streamer if streamer is not None else _find_streamer()

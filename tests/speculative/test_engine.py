@@ -1,5 +1,6 @@
 """Equivalence invariants of the verification engine on tiny random Llamas: greedy output == plain `generate`."""
 
+import copy
 import random
 
 import pytest
@@ -358,6 +359,24 @@ def test_static_and_quantized_caches_are_refused_in_one_line(tiny_llama):
     with pytest.raises(ValueError, match="quantized"):
         tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate, drafter=ReferenceDrafter(
             reference), cache_implementation="quantized", cache_config={"backend": "fp8"})  # fmt: skip
+
+
+def test_continuing_from_a_filled_cache_is_refused_in_one_line(tiny_llama):
+    """Multi-turn: a second call given the first one's cache. transformers' assisted loop would feed the whole prompt
+    on top of the cached tokens (it decoded garbage); the engine starts from an empty cache. Both refuse."""
+    input_ids = torch.tensor([[5, 6, 7, 8, 5, 6]])
+    first = tiny_llama.generate(input_ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    follow_up = torch.cat([first.sequences, input_ids], dim=1)
+    reference = tiny_llama.generate(follow_up, max_new_tokens=8, do_sample=False)
+    for loop in (custom_generate, assisted_generate):
+        cache = copy.deepcopy(first.past_key_values)
+        with pytest.raises(ValueError, match="starts from an empty cache"):
+            tiny_llama.generate(follow_up, past_key_values=cache, max_new_tokens=8, custom_generate=loop,
+                                drafter=ReferenceDrafter(reference))  # fmt: skip
+        out = tiny_llama.generate(
+            follow_up, max_new_tokens=8, custom_generate=loop, drafter=ReferenceDrafter(reference)
+        )
+        assert torch.equal(out, reference)
 
 
 def test_unsupported_calls_are_refused_in_one_line(tiny_llama):
