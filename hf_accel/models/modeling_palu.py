@@ -280,6 +280,13 @@ class PaluLlamaForCausalLM(LlamaForCausalLM):
         ):
             model_kwargs["past_key_values"] = make_palu_cache(self.config)
 
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config):
+        # diff with LlamaForCausalLM: a quantized model swaps its own growing latent layers into any cache, a static one
+        # too, after `generate` has judged that cache compileable; a compiled step would meet shapes that change
+        if self.config.palu_quant_bits:
+            return False
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
 
 def _write_own_kernels(folder) -> None:
     if __package__ == "hf_accel.models":  # the package's palu_kernels.py, copied by save_pretrained, is a shim over

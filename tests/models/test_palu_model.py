@@ -319,6 +319,29 @@ def test_an_offloaded_cache_is_refused_on_quantized_latents(palu):
         palu.generate(_ids(1, 6), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="offloaded")
 
 
+def test_a_static_cache_does_not_compile_a_quantized_model(palu):
+    """A quantized model fills a static cache with its own growing latent layers; transformers judges whether to
+    compile from the cache it built, before the model swaps them in. Compiled (on a GPU, by default; inductor), decoding
+    met a data-dependent shape error with `fullgraph=True`, and without it spent 90 s compiling a tiny model."""
+    from transformers import CompileConfig
+
+    if not palu.config.palu_quant_bits:
+        pytest.skip("float latents refuse a static cache (test above)")
+    compiled = []
+
+    def backend(graph_module, example_inputs, **options):
+        compiled.append(graph_module)
+        return graph_module.forward
+
+    config = CompileConfig(backend=backend, fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles on GPUs only; the CPU stands in for one here
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    reference = palu.generate(_ids(1, 6), **kwargs)
+    out = palu.generate(_ids(1, 6), **kwargs, cache_implementation="static", compile_config=config)
+    assert torch.equal(out, reference)
+    assert not compiled
+
+
 def test_conversion_keeps_the_model_dtype(tokenizer):
     model = make_tiny_llama(**TINY).to(torch.bfloat16)
     converted, _ = convert_palu(
