@@ -167,6 +167,30 @@ def test_saved_checkpoint_loads_in_fresh_process(tmp_path):
     )
 
 
+def test_a_second_turn_continues_from_the_returned_cache(family_setup):
+    """Multi-turn: the second call gets the first one's latent cache and a padded follow-up (zeros in the mask after
+    each row's first token): the same tokens as a fresh call on the whole conversation, and only latents cached."""
+    _, model, calibration = family_setup
+    care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    ids, mask = _ids(shape=(2, 8)), torch.ones(2, 8, dtype=torch.long)
+    ids[0, :3], mask[0, :3] = 0, 0
+    first = care.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+    follow_up, follow_mask = _ids(seed=2, shape=(2, 4)), torch.ones(2, 4, dtype=torch.long)
+    follow_up[1, :2], follow_mask[1, :2] = 0, 0
+    ids = torch.cat([first.sequences, follow_up], dim=1)
+    mask = torch.cat([mask, torch.ones_like(first.sequences[:, 8:]), follow_mask], dim=1)
+    reference = care.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    cache = first.past_key_values
+    out = care.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kwargs)
+    assert torch.equal(out, reference)
+    latent = care.config.care_k_ranks[0], care.config.care_v_ranks[0]
+    assert (cache.layers[0].keys.shape[1:], cache.layers[0].values.shape[-1]) == (
+        (1, out.shape[1] - 1, latent[0]),
+        latent[1],
+    )
+
+
 def test_static_cache_is_refused(family_setup):
     # a static cache's empty slots would shift every cached key's RoPE position: silently wrong, so refused
     _, model, calibration = family_setup

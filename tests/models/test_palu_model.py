@@ -342,6 +342,14 @@ def test_a_static_cache_does_not_compile_a_quantized_model(palu):
     assert not compiled
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
+def test_attention_implementations_other_than_eager_are_refused(palu, attention):
+    # the Palu kernels compute the scores and read transformers' eager masks: other implementations would be ignored
+    with pytest.raises(ValueError, match="does not support"):
+        palu.set_attn_implementation(attention)
+    assert palu.config._attn_implementation == "eager"
+
+
 def test_conversion_keeps_the_model_dtype(tokenizer):
     model = make_tiny_llama(**TINY).to(torch.bfloat16)
     converted, _ = convert_palu(
