@@ -11,27 +11,39 @@ download of the pushed repository.
 
 import fnmatch
 import hashlib
+import importlib.metadata
 import inspect
 import json
 import os
 import posixpath
 import re
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
-# The repository's hub_cards/ (source checkouts, editable installs), else where a wheel puts it (pyproject data-files).
-HUB_CARDS_DIR = next(
-    (
-        d
-        for d in (Path(__file__).resolve().parents[1] / "hub_cards", Path(sys.prefix) / "share/hf_accel/hub_cards")
-        if d.is_dir()
-    ),
-    Path(__file__).resolve().parents[1] / "hub_cards",
-)
+def _find_hub_cards_dir() -> Path:
+    """The repository's `hub_cards/` (source checkouts, editable installs), else where the installed wheel put it
+    (pyproject data-files: `share/hf_accel/hub_cards` under the scheme's data directory, which is `sys.prefix` in a
+    virtual environment but the user base with `pip install --user` and the prefix with `--prefix`): found through the
+    distribution's file list, which records it for every scheme."""
+    source = Path(__file__).resolve().parents[1] / "hub_cards"
+    if source.is_dir():
+        return source
+    try:
+        files = importlib.metadata.distribution("hf-accel").files or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for file in files:
+        if file.parent.parts[-3:] == ("share", "hf_accel", "hub_cards"):
+            installed = Path(file.locate()).resolve().parent
+            if installed.is_dir():
+                return installed
+    return source
+
+
+HUB_CARDS_DIR = _find_hub_cards_dir()
 # Trainer checkpoints (optimizer states) and logs are not part of a published artifact, nor a `git clone`'s own folder
 # (the Hub refuses any path under `.git/`, as under `.cache/`).
 DEFAULT_IGNORE_PATTERNS = (
@@ -209,8 +221,8 @@ def write_model_card(
         license (`str`, *optional*): the license id (usually the base model's).
         base_model_relation (`str`, *optional*): `adapter`, `merge`, `quantized`, `finetune` or `None`; defaults to the
             kind's (`quantized` for converted models, `adapter` for adapters).
-        template_dir (`str` or `Path`, *optional*): where the templates are; defaults to the repository's
-            `hub_cards/`.
+        template_dir (`str` or `Path`, *optional*): where the templates are; defaults to `HUB_CARDS_DIR`, the
+            repository's `hub_cards/` or the one a wheel installed.
 
     Returns:
         `huggingface_hub.ModelCard`.
