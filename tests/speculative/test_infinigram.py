@@ -1134,3 +1134,22 @@ def test_a_drafter_serving_two_threads_learns_each_pass_from_its_own_proposal():
     observed = sum(map(sum, drafter.calibrator.drafted)) - 0.995 * sum(map(sum, before))
     assert observed == pytest.approx(8)  # this thread's eight nodes
     assert threading.get_ident() not in drafter._proposed  # learned from, then dropped: ended threads leave nothing
+
+
+def test_a_shipped_index_loads_by_name_from_any_directory(tmp_path, monkeypatch):
+    """An installed wheel has no `hf_accel/data/indexes/...` path relative to the user's directory: the shipped
+    indexes load by folder name (`ngram:smollm2-135m-chat-build`). A local directory of that name comes first."""
+    from hf_accel.speculative.drafters import build_drafter
+    from hf_accel.speculative.drafters.index import SHIPPED_INDEXES_DIR
+
+    monkeypatch.chdir(tmp_path)
+    names = sorted(header.parent.name for header in SHIPPED_INDEXES_DIR.glob("*/header.json"))
+    assert "smollm2-135m-chat-build" in names
+    for name in names:
+        assert InfinigramIndex(name).path == SHIPPED_INDEXES_DIR / name
+    assert build_drafter("ngram", "smollm2-135m-chat-build", None, None).index.header.num_tokens > 0
+    tokenizer_name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(16))
+    build_index([[1, 2, 3]], tmp_path / "smollm2-135m-chat-build", tokenizer_name, vocab_hash, vocab_size)
+    assert InfinigramIndex("smollm2-135m-chat-build").path == Path("smollm2-135m-chat-build")
+    with pytest.raises(FileNotFoundError, match="no header.json"):
+        InfinigramIndex("no-such-index")

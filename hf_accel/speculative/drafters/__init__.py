@@ -31,8 +31,8 @@ def build_drafter(name: str, artifact: str | None, model, tokenizer):
 
     Args:
         name (`str`): a registered drafter name (see [`available_drafters`]).
-        artifact (`str`, *optional*): path of the drafter's artifact (`ngram`: an index directory; none drafts from
-            the context only).
+        artifact (`str`, *optional*): path of the drafter's artifact (`ngram`: an index directory, a shipped index's
+            name such as `smollm2-135m-chat-build`, or a pushed index's repo id; none drafts from the context only).
         model (`PreTrainedModel`): the target model.
         tokenizer (`PreTrainedTokenizerBase`): the target's tokenizer (an index built with another is refused).
 

@@ -29,6 +29,8 @@ import numpy as np
 INDEX_FORMAT_VERSION = 1
 SEPARATOR = np.uint32(0xFFFFFFFF)
 INDEX_FILES = ("header.json", "tokens.u32", "sa.bin", "first.npy")
+# The indexes shipped in the package (self-distilled from the default model), loaded by folder name
+SHIPPED_INDEXES_DIR = Path(__file__).resolve().parents[2] / "data" / "indexes"
 # Ranges narrower than this are narrowed with one vectorised read; wider ones with a scalar binary search.
 _DENSE_RANGE = 2048
 # Ranges this small are finished with one read of every candidate's whole common prefix.
@@ -171,14 +173,19 @@ def first_token_starts(tokens: np.ndarray, vocab_size: int, chunk: int = 1 << 24
 
 
 def resolve_index_dir(name_or_path: str | Path) -> Path:
-    """A local index directory as is; otherwise `name_or_path` is taken as a Hub repo id and its snapshot (index
-    files only) is fetched or found in the Hugging Face cache."""
+    """A local index directory as is; the name of an index shipped with hf-accel (`smollm2-135m-chat-build`, a folder
+    of [`SHIPPED_INDEXES_DIR`]: found in a checkout and in an installed wheel alike) when no local path has that name;
+    otherwise `name_or_path` is taken as a Hub repo id and its snapshot (index files only) is fetched or found in the
+    Hugging Face cache."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     from ...loading import hub_unreachable, looks_like_local_path
 
     path = Path(name_or_path).expanduser()
+    shipped = SHIPPED_INDEXES_DIR / str(name_or_path)
+    if "/" not in str(name_or_path) and not path.exists() and (shipped / "header.json").is_file():
+        return shipped
     if looks_like_local_path(str(name_or_path)) or str(name_or_path).count("/") != 1:
         return path
 
@@ -197,9 +204,9 @@ class InfinigramIndex:
     """Read-only, memory-mapped view of an index directory.
 
     Args:
-        path (`str` or `Path`): the index directory, or the id of a Hub repository holding one (a pushed
-            `drafter-index` artifact: downloaded once into the Hugging Face cache, read from it with
-            `HF_HUB_OFFLINE=1`).
+        path (`str` or `Path`): the index directory, the name of a shipped one (`smollm2-135m-chat-build`), or the
+            id of a Hub repository holding one (a pushed `drafter-index` artifact: downloaded once into the Hugging
+            Face cache, read from it with `HF_HUB_OFFLINE=1`).
     """
 
     def __init__(self, path: str | Path):
