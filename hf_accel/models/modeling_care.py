@@ -43,7 +43,8 @@ def _check_dynamic_layer(cache, layer_idx: int) -> None:
     layers = getattr(cache, "layers", ())
     if layer_idx < len(layers) and isinstance(layers[layer_idx], StaticLayer):
         raise ValueError(
-            "latent-cache models need a dynamic cache; cache_implementation='static' (a StaticCache) is not supported"
+            f"latent-cache models need a dynamic cache, not a {type(cache).__name__} with preallocated slots "
+            "(cache_implementation 'static', 'sliding_window' or 'offloaded_static'): drop cache_implementation"
         )
 
 

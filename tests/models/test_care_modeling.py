@@ -191,12 +191,13 @@ def test_a_second_turn_continues_from_the_returned_cache(family_setup):
     )
 
 
-def test_static_cache_is_refused(family_setup):
+@pytest.mark.parametrize("implementation", ["static", "sliding_window"])
+def test_static_cache_is_refused(family_setup, implementation):
     # a static cache's empty slots would shift every cached key's RoPE position: silently wrong, so refused
     _, model, calibration = family_setup
     care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
-    with pytest.raises(ValueError, match="dynamic cache"):
-        care.generate(_ids(shape=(1, 6)), max_new_tokens=2, do_sample=False, cache_implementation="static")
+    with pytest.raises(ValueError, match=r"dynamic cache, not a \w*StaticCache.*drop cache_implementation"):
+        care.generate(_ids(shape=(1, 6)), max_new_tokens=2, do_sample=False, cache_implementation=implementation)
 
 
 def test_conversion_keeps_the_model_dtype(family_setup):
