@@ -131,6 +131,7 @@ class PackedBlockCollator:
         ```python
         >>> PackedBlockCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 10]}])["labels"].shape
         torch.Size([2, 3])
+
         ```
     """
 
