@@ -197,6 +197,7 @@ def write_model_card(
     license: str | None = None,
     base_model_relation: str | None = "default",
     template_dir: str | Path | None = None,
+    base_remote_code: bool = False,
 ):
     """Renders `hub_cards/<kind template>` into `output_dir/README.md` and returns the `ModelCard`.
 
@@ -223,6 +224,9 @@ def write_model_card(
             kind's (`quantized` for converted models, `adapter` for adapters).
         template_dir (`str` or `Path`, *optional*): where the templates are; defaults to `HUB_CARDS_DIR`, the
             repository's `hub_cards/` or the one a wheel installed.
+        base_remote_code (`bool`, *optional*, defaults to `False`): whether `base_model` runs code shipped with it (a
+            converted CARE/Palu checkpoint): a drafter's snippets then load it with `trust_remote_code=True` and
+            `--trust-remote-code`, without which they fail.
 
     Returns:
         `huggingface_hub.ModelCard`.
@@ -273,6 +277,7 @@ def write_model_card(
         ranks_plot=_local_image(output_dir, ranks_plot, ("ranks*.png",)),
         ppl_plot=_local_image(output_dir, None, ("ppl_curve.png",)),
         custom_generate=(output_dir / "custom_generate" / "generate.py").is_file(),
+        base_remote_code=base_remote_code,
     )
     # Jinja leaves blank lines where optional sections are skipped.
     card = ModelCard(re.sub(r"\n{3,}", "\n\n", str(card)))

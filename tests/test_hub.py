@@ -366,6 +366,35 @@ def test_a_published_drafter_artifact_runs_from_generate_by_repo_id(tmp_path):
     assert float(proc.stdout.strip().splitlines()[-1]) > 1.0
 
 
+def test_the_card_of_an_index_over_a_converted_model_runs_as_written(tmp_path):
+    """An index built for a model that ships its own code (a converted CARE/Palu checkpoint): the card's snippet,
+    published, runs as printed; it loaded the base without `trust_remote_code=True`, which transformers refuses."""
+    import re
+
+    cache = tmp_path / "hub"
+    populate_hub_cache(write_tiny_remote_model(tmp_path / "source"), "org/tiny-latent", cache_dir=cache)
+    text = tmp_path / "a.txt"
+    text.write_text("def fibonacci(n):\n    return n\n" * 20)
+    args = ["index", "build", "--model", "org/tiny-latent", "--trust-remote-code", "--text", str(text)]
+    proc = _cli([*args, "--out", str(tmp_path / "idx")], tmp_path, HF_HUB_CACHE=str(cache))
+    assert proc.returncode == 0, proc.stderr
+    snapshot = populate_hub_cache(tmp_path / "idx", "org/idx", cache_dir=cache)
+    card = (snapshot / "README.md").read_text()
+    assert "hf-accel bench generate --model org/tiny-latent --trust-remote-code " in card
+    (snippet,) = re.findall(r"```python\n(.*?)```", card, flags=re.DOTALL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    script = snippet + "print(out.shape)"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the same card for a base without code of its own leaves the flags out
+    write_model_card(tmp_path / "plain", "drafter-index", "org/base")
+    assert "trust" not in (tmp_path / "plain" / "README.md").read_text().split("Or through")[1]
+
+
 def test_push_points_custom_generate_at_the_repository(tmp_path, monkeypatch):
     from huggingface_hub import HfApi, RepoUrl
 

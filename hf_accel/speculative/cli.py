@@ -116,6 +116,7 @@ def _write_card(out: str, model: str, header) -> str | None:
     `model` names a Hub repository; returns the card's path, or `None` for a local model directory, whose rebuild
     removes an earlier build's card and `custom_generate/` (they describe the index it replaced)."""
     from ..hub import hub_id_or_none, is_hf_accel_card, save_artifact
+    from ..loading import remote_code_model_type, resolve_model
 
     base_model = hub_id_or_none(model)
     if base_model is None:
@@ -129,7 +130,8 @@ def _write_card(out: str, model: str, header) -> str | None:
         "tokenizer": header.tokenizer_name,
     }
     settings.update({f"source {i + 1}": source for i, source in enumerate(header.sources or [])})
-    save_artifact(out, "drafter-index", base_model, drafter="ngram", settings=settings)
+    remote_code = remote_code_model_type(resolve_model(model)) is not None  # its snippets must trust that code
+    save_artifact(out, "drafter-index", base_model, drafter="ngram", settings=settings, base_remote_code=remote_code)
     return str(Path(out) / "README.md")
 
 
