@@ -163,6 +163,13 @@ def _eval_results(results, model_name: str):
     return out
 
 
+def _placeholder_repo_id(name: str) -> str:
+    """`<your-namespace>/NAME` for a card saved without a repo id, NAME made a valid repository name (`my model (v2)`
+    gives `my-model-v2`): publishing replaces the whole placeholder with the repository, which a space or a bracket
+    would cut short, leaving the rest of the name in the snippets."""
+    return f"{_PLACEHOLDER_NAMESPACE}/{re.sub(r'[^A-Za-z0-9_.-]+', '-', name).strip('-.') or 'model'}"
+
+
 def _local_image(output_dir: Path, image: str | Path | None, default_globs: tuple[str, ...]) -> str | None:
     """A path relative to `output_dir` for an image (copied in when it lives elsewhere), or the first file there
     matching `default_globs`, or `None`."""
@@ -265,7 +272,7 @@ def write_model_card(
         card_data,
         template_path=str(Path(template_dir or HUB_CARDS_DIR) / spec.template),
         model_name=name,
-        repo_id=repo_id or f"{_PLACEHOLDER_NAMESPACE}/{name}",
+        repo_id=repo_id or _placeholder_repo_id(name),
         base_model=card_data.base_model,
         description=description,
         settings=settings or {},

@@ -561,6 +561,16 @@ def test_a_card_saved_without_a_repo_id_is_published_naming_the_repository(tmp_p
     assert "<your-namespace>/idx" in (artifact / "README.md").read_text()  # the local card is left as it was
 
 
+def test_a_card_saved_in_a_directory_whose_name_is_no_repository_name_is_published_naming_the_repository(tmp_path):
+    # the placeholder once kept the directory's name: publishing replaced it up to the first space or bracket and
+    # left the rest in the snippet, `from_pretrained("me/care care (v2)")`
+    write_model_card(tmp_path / "my care (v2)", "converted-model", "org/base")
+    assert 'from_pretrained("<your-namespace>/my-care-v2"' in (tmp_path / "my care (v2)" / "README.md").read_text()
+    snapshot = populate_hub_cache(tmp_path / "my care (v2)", "me/care", cache_dir=tmp_path / "hub")
+    published = (snapshot / "README.md").read_text()
+    assert published.count('from_pretrained("me/care", trust_remote_code=True)') == 2, published
+
+
 def test_a_cache_write_cut_short_leaves_no_blob_that_a_later_run_reuses(tmp_path, monkeypatch):
     """Blobs are named by their content's hash and a rerun keeps any blob already there: one cut short (a full disk,
     an interruption) must never sit under that name, or the rerun publishes the truncated file."""
