@@ -499,7 +499,9 @@ def push_to_hub(
         private (`bool`, *optional*, defaults to `False`): create the repository private.
         token (`str`, *optional*): a write token; defaults to the saved/`HF_TOKEN` one (`huggingface_hub.get_token`).
         commit_message (`str`, *optional*): the commit message.
-        ignore_patterns (*optional*): files not uploaded; defaults to Trainer checkpoints and logs.
+        ignore_patterns (*optional*): files not uploaded (`fnmatch` patterns on paths in `folder`); defaults to
+            `DEFAULT_IGNORE_PATTERNS`: Trainer checkpoints and logs, a `.git/` folder, staging folders and hidden
+            `.*.tmp` / `.*.incomplete` / `.*.lock` files.
 
     Returns:
         `str`: the repository URL.

@@ -441,6 +441,11 @@ def save_care_model(result: CareResult, tokenizer, out_dir, base_model: str | No
         out_dir (`str` or `os.PathLike`): the output directory; must not exist or be empty unless `overwrite`.
         base_model (`str`): the original model's Hub id (or the `smollm2-135m` alias), named by the card; `None`
             writes no card (a local cache of a model without a Hub id).
+        overwrite (`bool`, *optional*, defaults to `False`): replace an earlier checkpoint in `out_dir` (a
+            `config.json` naming a `model_type`, and weights); any other non-empty directory is refused.
+
+    Returns:
+        `Path`: `out_dir`.
     """
     from ..hub import save_artifact
 
