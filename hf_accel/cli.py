@@ -7,11 +7,25 @@ prompts file, bad option) are raised as `ValueError`/`FileNotFoundError` and pri
 
 import argparse
 import json
+import math
 import sys
 
 
+def finite_or_null(obj):
+    """`obj` with every NaN or infinite float replaced by `None`: JSON has no NaN or Infinity (`json.dumps` writes them
+    anyway, and `jq` or `JSON.parse` then refuses the whole document), and a broken model's perplexity can be either."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {key: finite_or_null(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(value) for value in obj]
+    return obj
+
+
 def print_json(obj) -> None:
-    print(json.dumps(obj, indent=None, sort_keys=False))
+    """Prints `obj` as one line of strict JSON on stdout (non-finite numbers as `null`)."""
+    print(json.dumps(finite_or_null(obj), indent=None, sort_keys=False, allow_nan=False))
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,6 @@
 """`hf-accel convert ...`: the converters' command line (`convert care` here; Palu adds `convert palu`)."""
 
 import argparse
-import json
 
 
 def add_cli(commands) -> argparse.ArgumentParser:
@@ -42,6 +41,7 @@ def _add_care(converters) -> None:
 
 
 def run_convert_care(args) -> int:
+    from ..cli import print_json
     from ..loading import load_model_and_tokenizer, resolve_model, to_checkpoint_dtype
     from .calibration import check_calibration_source
     from .care import CareConversionConfig, run_care_conversion, save_care_model
@@ -75,7 +75,7 @@ def run_convert_care(args) -> int:
     out = save_care_model(result, tokenizer, args.out, base_model, overwrite=args.overwrite)
     summary = dict(result.summary(), model=args.model, out=str(out))
     if args.json:
-        print(json.dumps(summary))
+        print_json(summary)
     else:
         print(
             f"CARE ({args.method}) kv-keep {args.kv_keep}: {summary['cache_values_per_token']} cached values per "

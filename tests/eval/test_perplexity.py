@@ -157,3 +157,31 @@ def test_every_measurement_feeds_the_ids_on_the_models_device(measure):
     with pytest.raises(_Fed):
         run()
     assert spy.devices == [torch.device("meta")]
+
+
+def _strict_json(text: str):
+    """`json.loads` that refuses NaN and Infinity, as `jq` and `JSON.parse` do."""
+    import json
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_eval_ppl_json_of_a_model_with_nan_logits_is_strict_json(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel.cli import main
+    from tests.tiny_checkpoints import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path / "nan")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")  # as an fp16 overflow or a broken conversion leaves it
+    model.save_pretrained(model_dir)
+    (tmp_path / "t.txt").write_text("To be, or not to be: that is the question. " * 4)
+    capsys.readouterr()
+    assert main(["eval", "ppl", "--model", str(model_dir), "--text", str(tmp_path / "t.txt"), "--json"]) == 0
+    result = _strict_json(capsys.readouterr().out)
+    assert result["ppl"] is None and result["nll"] is None and result["tokens"] > 0
