@@ -24,6 +24,15 @@ def split_windows(input_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     return windows
 
 
+def nll_to_ppl(mean_nll: float) -> float:
+    """exp(mean NLL), or `inf` past the float range (a mean NLL above 709.78 nats: a broken model's perplexity is
+    reported, not an `OverflowError`)."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
+
+
 def window_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
     """Sum of next-token negative log-likelihoods of one window, and the number of predictions.
 
@@ -90,7 +99,7 @@ def compute_perplexity(
             total_nll += nll
             total_tokens += count
     mean_nll = total_nll / total_tokens
-    return {"ppl": math.exp(mean_nll), "nll": mean_nll, "tokens": total_tokens, "seq_len": seq_len}
+    return {"ppl": nll_to_ppl(mean_nll), "nll": mean_nll, "tokens": total_tokens, "seq_len": seq_len}
 
 
 @torch.no_grad()
@@ -109,7 +118,7 @@ def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4, skip:
             logits.reshape(-1, logits.shape[-1]).double(), targets.reshape(-1), reduction="sum"
         ).item()
         count += targets.numel()
-    return math.exp(total / count)
+    return nll_to_ppl(total / count)
 
 
 @torch.no_grad()
@@ -136,7 +145,7 @@ def decoding_perplexity(model, input_ids: torch.Tensor, skip: int = 0, batch_siz
             if t >= skip:  # the prediction of token t + 1
                 total += F.cross_entropy(out.logits[:, -1].double(), rows[:, t + 1], reduction="sum").item()
                 count += len(rows)
-    return math.exp(total / count)
+    return nll_to_ppl(total / count)
 
 
 def read_eval_text(path: str | None = None, dataset: str | None = None, split: str = "test", column: str = "text"):

@@ -3,7 +3,13 @@ import math
 import pytest
 import torch
 
-from hf_accel.eval.perplexity import compute_perplexity, read_eval_text, split_windows
+from hf_accel.eval.perplexity import (
+    compute_perplexity,
+    decoding_perplexity,
+    perplexity_on_ids,
+    read_eval_text,
+    split_windows,
+)
 from tests.conftest import make_tiny_llama
 
 
@@ -185,3 +191,23 @@ def test_eval_ppl_json_of_a_model_with_nan_logits_is_strict_json(tmp_path, capsy
     assert main(["eval", "ppl", "--model", str(model_dir), "--text", str(tmp_path / "t.txt"), "--json"]) == 0
     result = _strict_json(capsys.readouterr().out)
     assert result["ppl"] is None and result["nll"] is None and result["tokens"] > 0
+
+
+def test_a_perplexity_past_the_float_range_is_inf_not_an_overflow_error(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel.cli import main
+    from tests.tiny_checkpoints import write_tiny_llama
+
+    model = AutoModelForCausalLM.from_pretrained(write_tiny_llama(tmp_path / "m"))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e4)  # confidently wrong: a mean NLL of thousands of nats
+    ids = torch.tensor([[3 + (7 * i) % 90 for i in range(24)]])
+    assert compute_perplexity(model, ByteTokenizer(), "wrong " * 8, seq_len=16, progress=False)["ppl"] == math.inf
+    assert perplexity_on_ids(model, ids) == decoding_perplexity(model, ids) == math.inf
+    model.save_pretrained(tmp_path / "m")
+    (tmp_path / "t.txt").write_text("To be, or not to be: that is the question. " * 4)
+    argv = ["eval", "ppl", "--model", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt")]
+    capsys.readouterr()
+    assert main(argv) == 0 and "perplexity inf" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0 and _strict_json(capsys.readouterr().out)["ppl"] is None
