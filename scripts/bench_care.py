@@ -9,7 +9,6 @@ Example:
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-generated-tokens", type=int, default=2048, help="tokens of held-out generated text")
     p.add_argument("--eval-seq-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     for kv_keep in args.kv_keep:  # now, not after the calibration and the rows of the budgets before it
         try:
@@ -68,6 +67,7 @@ def cached(path: str | None, settings: dict, make):
 
 
 def main(argv=None) -> int:
+    from hf_accel.cli import print_json
     from hf_accel.compress.care_bench import benchmark_care, calibrate_mixed, format_table, generated_text, split_text
     from hf_accel.loading import load_model_and_tokenizer
 
@@ -110,10 +110,11 @@ def main(argv=None) -> int:
         eval_seq_len=args.eval_seq_len,
         command="python scripts/bench_care.py " + " ".join(sys.argv[1:] if argv is None else argv),
     )
-    print(format_table(report, list(eval_texts)))
-    print(f"calibration: {report['calibration']} in {report['calibration_seconds']} s (shared by all methods)")
     if args.json:
-        print(json.dumps(report))
+        print_json(report)
+    else:
+        print(format_table(report, list(eval_texts)))
+        print(f"calibration: {report['calibration']} in {report['calibration_seconds']} s (shared by all methods)")
     return 0
 
 

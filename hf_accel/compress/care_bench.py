@@ -5,6 +5,7 @@ once on the original model and shared by all methods, so the per-method cost is 
 """
 
 import math
+import sys
 import time
 
 import torch
@@ -125,8 +126,9 @@ def benchmark_care(
             row["ppl"] = evaluate(result.model)
             row["cache_bytes_per_token"] = measured_cache_bytes_per_token(result.model, vocab)
             rows.append(row)
-            print(
+            print(  # progress, on stderr: a --json report owns stdout
                 f"  kv_keep={kv_keep} {method:11s} ppl={row['ppl']} bytes/token={row['cache_bytes_per_token']:.0f}",
+                file=sys.stderr,
                 flush=True,
             )
             del result

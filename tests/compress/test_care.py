@@ -526,3 +526,28 @@ def test_a_numpy_kv_keep_is_taken_as_a_float():
             CareConversionConfig(kv_keep=bad)
         with pytest.raises(ValueError, match="kv_keep must be in"):
             PaluConversionConfig(kv_keep=bad)
+
+
+def test_bench_care_json_is_the_only_thing_on_stdout(tmp_path, monkeypatch, capsys):
+    # the table, the calibration line and one progress line per row went to stdout before the JSON
+    import runpy
+    from pathlib import Path
+
+    import hf_accel.loading
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    monkeypatch.setattr(
+        hf_accel.loading,
+        "load_model_and_tokenizer",
+        lambda *a, **k: (make_tiny_llama(vocab_size=VOCAB_SIZE), make_char_tokenizer()),
+    )
+    (tmp_path / "t.txt").write_text("To be, or not to be: that is the question. " * 20)
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "bench_care.py"), run_name="x")
+    argv = ["--text", str(tmp_path / "t.txt"), "--kv-keep", "0.5", "--methods", "care", "--calib-text-samples", "2"]
+    argv += ["--calib-generated-samples", "1", "--calib-seq-len", "16", "--eval-tokens", "64"]
+    argv += ["--eval-generated-tokens", "16", "--eval-seq-len", "32", "--json"]
+    assert script["main"](argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out)
+    assert out.count("\n") == 1 and [row["method"] for row in report["results"]] == ["care"]
