@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from hf_accel.cli import print_json
 from hf_accel.compress.care import METHODS as CARE_METHODS
 from hf_accel.eval.palu_quality import PaluBenchConfig, format_palu_table, run_palu_quality_benchmark
 from hf_accel.loading import load_model_and_tokenizer
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     report = run_palu_quality_benchmark(model, tokenizer, text[:split], text[split:], config, progress=not args.json)
     report["model"] = args.model
     if args.json:
-        print(json.dumps(report))
+        print_json(report)
     else:
         print(format_palu_table(report))
         print(json.dumps({"timings": report["timings"], "settings": report["settings"]}))

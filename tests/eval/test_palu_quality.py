@@ -1,5 +1,7 @@
 """The Palu quality benchmark on a tiny model: one calibration and one evaluation for Palu and CARE rows."""
 
+import math
+
 import pytest
 import torch
 
@@ -83,6 +85,23 @@ def test_bench_palu_script_refuses_an_unknown_care_method_before_running(capsys)
     with pytest.raises(SystemExit) as exit_info:
         script["parse_args"](["--care-methods", "carre"])
     assert exit_info.value.code == 2 and "invalid choice: 'carre'" in capsys.readouterr().err
+
+
+def test_bench_palu_json_is_strict_with_a_perplexity_past_the_float_range(capsys, tmp_path):
+    # a diverged row's perplexity is inf, which json.dumps printed as Infinity: not JSON, refused by jq
+    import json
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "bench_palu.py"), run_name="x")
+    report = {"base": {"ppl": 12.5}, "rows": [{"bits": 2, "ppl": math.inf}, {"bits": 3, "ppl": math.nan}]}
+    script["main"].__globals__.update(
+        load_model_and_tokenizer=lambda *a, **k: (None, None), run_palu_quality_benchmark=lambda *a, **k: dict(report)
+    )
+    (tmp_path / "t.txt").write_text("some text")
+    assert script["main"](["--text", str(tmp_path / "t.txt"), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert [row["ppl"] for row in printed["rows"]] == [None, None] and printed["base"]["ppl"] == 12.5
 
 
 @pytest.mark.parametrize(
