@@ -73,6 +73,7 @@ def _speculative_rows(model, tokenizer, drafter, max_new_tokens: int) -> list[di
             _timed_generate(model, inputs, 4, custom_generate=custom_generate, drafter=drafter)
         plain, plain_s = _timed_generate(model, inputs, max_new_tokens)
         fast, fast_s = _timed_generate(model, inputs, max_new_tokens, custom_generate=custom_generate, drafter=drafter)
+        stats = drafter.last_stats
         rows.append({
             "prompt": prompt,
             "answer": tokenizer.decode(plain, skip_special_tokens=True).strip(),
@@ -80,7 +81,8 @@ def _speculative_rows(model, tokenizer, drafter, max_new_tokens: int) -> list[di
             "vanilla_tokens_per_s": plain.numel() / plain_s,
             "ngram_tokens_per_s": fast.numel() / fast_s,
             "speedup": (fast.numel() / fast_s) / (plain.numel() / plain_s),
-            "mean_accepted": drafter.last_stats.mean_accepted,
+            # tokens per verification pass; none ran when the prefill's token was the answer (`bench generate`: null)
+            "mean_accepted": stats.mean_accepted if sum(stats.accepted_histogram.values()) else None,
             "identical": plain.tolist() == fast.tolist(),
         })  # fmt: skip
     return rows
@@ -187,9 +189,10 @@ def _print_tables(result: dict) -> None:
     print(f"{'prompt':<40}{'tokens':>7}{'vanilla':>9}{'ngram':>8}{'speedup':>9}{'acc/pass':>9}{'same':>6}  answer")
     for r in result["speculative"]:
         answer = r["answer"].replace("\n", " ")
+        accepted = "-" if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f}"
         print(
             f"{r['prompt'][:38]:<40}{r['tokens']:>7}{r['vanilla_tokens_per_s']:>9.1f}{r['ngram_tokens_per_s']:>8.1f}"
-            f"{r['speedup']:>8.2f}x{r['mean_accepted']:>9.2f}{'yes' if r['identical'] else 'NO':>6}  "
+            f"{r['speedup']:>8.2f}x{accepted:>9}{'yes' if r['identical'] else 'NO':>6}  "
             f"{answer[:60]}{'…' if len(answer) > 60 else ''}"
         )
     print("tok/s columns; acc/pass = tokens per target forward pass, bonus token included")

@@ -191,6 +191,20 @@ def test_the_demo_runs_a_model_without_a_chat_template(tmp_path, capsys):
     assert len(demo["speculative"]) == 3 and all(r["identical"] for r in demo["speculative"])
 
 
+def test_the_demo_reports_no_tokens_per_pass_when_no_verification_pass_ran(tmp_path, capsys):
+    # with one new token the prefill answers alone: the demo said 0.00 tokens per pass (`bench generate`: null, "-")
+    from tests.tiny_checkpoints import write_tiny_llama
+
+    argv = ["demo", "--model", str(write_tiny_llama(tmp_path / "tiny")), "--max-new-tokens", "1", "--no-convert"]
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 0
+    assert [r["mean_accepted"] for r in json.loads(capsys.readouterr().out)["speculative"]] == [None] * 3
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = lines[lines.index(next(line for line in lines if line.startswith("prompt"))) + 1 :][:3]
+    assert [row[40 + 7 + 9 + 8 + 9 :][:9].strip() for row in rows] == ["-"] * 3  # the acc/pass column
+
+
 def test_a_full_disk_is_one_line(monkeypatch, capsys):
     import errno
 
