@@ -28,6 +28,14 @@ def print_json(obj) -> None:
     print(json.dumps(finite_or_null(obj), indent=None, sort_keys=False, allow_nan=False))
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose errors are one line: argparse prints the whole usage (a dozen lines for
+    `convert palu`) before the message. Subcommand parsers inherit the class through `add_subparsers`."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from .compress.cli import add_cli as add_convert
     from .compress.palu import add_cli as add_palu
@@ -37,7 +45,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from .speculative.cli import add_cli as add_index
     from .training.cli import add_cli as add_train
 
-    parser = argparse.ArgumentParser(prog="hf-accel", description=__doc__.splitlines()[0])
+    parser = _OneLineErrorParser(prog="hf-accel", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo(commands)
     add_eval(commands)  # `eval ppl` and `bench generate`

@@ -112,6 +112,25 @@ def test_cli_errors_are_one_line(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "ppl", "--text", "t.txt", "--seq-len", "abc"], "argument --seq-len: invalid int value: 'abc'"),
+        (["convert", "palu", "--kv-keep", "0.5"], "the following arguments are required: --out"),
+        (["convert", "care", "--kv-keep", "0.5", "--method", "x", "--out", "o"], "argument --method: invalid choice"),
+        (["bench", "generate", "--prompts", "humaneval", "--bogus"], "unrecognized arguments: --bogus"),
+        (["frob"], "invalid choice: 'frob'"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
+def test_cli_option_errors_are_one_line(argv, message, capsys):
+    # argparse printed the whole usage (five lines for `eval ppl`) before its message; the README promises one line
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
 def test_cli_bad_hub_id_offline_is_one_line(capsys, tmp_path):
     (tmp_path / "p.jsonl").write_text('{"question_id": 1, "category": "qa", "turns": ["hi"]}\n')
     assert (
