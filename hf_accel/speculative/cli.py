@@ -44,9 +44,10 @@ def _run_build(args) -> int:
         build_index_from_documents,
         iter_dataset_documents,
         iter_text_file_documents,
+        pieces_within_vocabulary,
         self_distill,
     )
-    from .drafters.index import INDEX_FILES
+    from .drafters.index import INDEX_FILES, tokenizer_fingerprint
 
     if not (args.text or args.dataset or args.self_distill):
         raise ValueError("nothing to index: pass --text FILE..., --dataset NAME, or --self-distill PROMPTS...")
@@ -82,9 +83,8 @@ def _run_build(args) -> int:
     for name, offset, limit in prompt_sets:
         prompts = load_prompts(name, tokenizer, limit=limit, offset=offset)
         tic = time.perf_counter()
-        documents.append(
-            self_distill(model, tokenizer, prompts, out, args.max_new_tokens, args.batch_size, args.model)
-        )
+        answers = self_distill(model, tokenizer, prompts, out, args.max_new_tokens, args.batch_size, args.model)
+        documents.append(pieces_within_vocabulary(answers, tokenizer_fingerprint(tokenizer)[2]))
         generation_s += time.perf_counter() - tic
         sources.append(
             f"self-distill:{published_name(name)}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}"

@@ -1153,3 +1153,33 @@ def test_a_shipped_index_loads_by_name_from_any_directory(tmp_path, monkeypatch)
     assert InfinigramIndex("smollm2-135m-chat-build").path == Path("smollm2-135m-chat-build")
     with pytest.raises(FileNotFoundError, match="no header.json"):
         InfinigramIndex("no-such-index")
+
+
+def test_pieces_within_vocabulary_cut_documents_at_unknown_ids():
+    from hf_accel.speculative.drafters.build import pieces_within_vocabulary
+
+    documents = [[5, 6, 200, 7], [200, 200], [1, 2, 3], [-1, 4, 201, 202, 5, 6]]
+    assert list(pieces_within_vocabulary(documents, 100)) == [[5, 6], [7], [1, 2, 3], [4], [5, 6]]
+
+
+def test_self_distilling_a_model_with_more_rows_than_its_tokenizer_has_ids(tmp_path, capsys):
+    """A model whose embedding is padded past its tokenizer's ids (Qwen, Phi) may sample those ids; they have no
+    text, so the self-distilled answers are cut there instead of the build failing after the whole generation."""
+    import json
+
+    from hf_accel.cli import main
+    from hf_accel.speculative.drafters.build import SELF_DISTILL_CACHE
+    from hf_accel.speculative.drafters.index import SEPARATOR, InfinigramIndex
+    from tests.tiny_checkpoints import make_char_tokenizer, write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path / "m")  # 128 embedding rows, fewer tokenizer ids
+    known = len(make_char_tokenizer())
+    out = tmp_path / "index"
+    argv = ["index", "build", "--model", str(model_dir), "--out", str(out), "--self-distill", "humaneval[:2]"]
+    assert main([*argv, "--max-new-tokens", "16", "--json"]) == 0
+    answers = [json.loads(line)["tokens"] for line in (out / SELF_DISTILL_CACHE).read_text().splitlines()]
+    assert any(t >= known for answer in answers for t in answer)  # the case under test happened
+    index = InfinigramIndex(out)
+    indexed = np.asarray(index.tokens)[np.asarray(index.tokens) != SEPARATOR]
+    assert index.header.vocab_size == known and int(indexed.max()) < known
+    assert index.header.num_indexed_tokens == sum(t < known for answer in answers for t in answer)

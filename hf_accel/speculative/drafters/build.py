@@ -20,7 +20,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -336,6 +336,22 @@ def _strip_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
         if token in eos:
             return tokens[:i]
     return tokens
+
+
+def pieces_within_vocabulary(documents: Iterable[Sequence[int]], vocab_size: int) -> Iterator[list[int]]:
+    """Each document cut at the ids outside `[0, vocab_size)`, which are dropped: a model whose embedding has more rows
+    than its tokenizer has ids (padded for speed) may sample them. They have no text, so no draft should hold one,
+    and the tokens on either side of one do not follow each other (empty pieces are left out)."""
+    for document in documents:
+        piece = []
+        for token in document:
+            if 0 <= token < vocab_size:
+                piece.append(token)
+            elif piece:
+                yield piece
+                piece = []
+        if piece:
+            yield piece
 
 
 def build_index_from_documents(
