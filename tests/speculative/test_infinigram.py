@@ -1183,3 +1183,12 @@ def test_self_distilling_a_model_with_more_rows_than_its_tokenizer_has_ids(tmp_p
     indexed = np.asarray(index.tokens)[np.asarray(index.tokens) != SEPARATOR]
     assert index.header.vocab_size == known and int(indexed.max()) < known
     assert index.header.num_indexed_tokens == sum(t < known for answer in answers for t in answer)
+
+
+def test_a_first_table_saved_as_an_npz_archive_is_one_clear_error(small_index, tmp_path):
+    path = tmp_path / "copy"
+    shutil.copytree(small_index[1].path, path)
+    with open(path / "first.npy", "wb") as file:  # np.load reads a zip as a lazy archive, whatever the name
+        np.savez(file, np.load(small_index[1].path / "first.npy"))
+    with pytest.raises(ValueError, match=r"first\.npy cannot be read \(an \.npz archive"):
+        InfinigramIndex(path)

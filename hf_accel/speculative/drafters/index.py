@@ -252,6 +252,11 @@ class InfinigramIndex:
             self.first = np.load(self.path / "first.npy")
         except (OSError, ValueError) as err:
             raise ValueError(f"index {self.path}: first.npy cannot be read ({err}){rebuild}") from None
+        if not isinstance(self.first, np.ndarray):  # a zip (`.npz`) loads as a lazy archive of arrays
+            self.first.close()
+            raise ValueError(  # noqa: TRY004
+                f"index {self.path}: first.npy cannot be read (an .npz archive, not one array){rebuild}"
+            )
         if (
             self.first.dtype.kind not in "iu"
             or self.first.shape != (header.vocab_size + 1,)
