@@ -1192,3 +1192,13 @@ def test_a_first_table_saved_as_an_npz_archive_is_one_clear_error(small_index, t
         np.savez(file, np.load(small_index[1].path / "first.npy"))
     with pytest.raises(ValueError, match=r"first\.npy cannot be read \(an \.npz archive"):
         InfinigramIndex(path)
+
+
+def test_a_first_table_that_is_not_non_decreasing_is_refused_at_load(small_index, tmp_path):
+    path = tmp_path / "copy"
+    shutil.copytree(small_index[1].path, path)
+    first = np.load(path / "first.npy")
+    first[3], first[4] = first[-1] + 100, -50  # ends still right: ranges past the suffix array, and negative ones
+    np.save(path / "first.npy", first)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        InfinigramIndex(path)

@@ -261,10 +261,13 @@ class InfinigramIndex:
             self.first.dtype.kind not in "iu"
             or self.first.shape != (header.vocab_size + 1,)
             or (int(self.first[0]) != 0 or int(self.first[-1]) != header.num_indexed_tokens)
+            # range starts past the suffix array (or before it) would fail mid-generation, not here
+            or (np.diff(self.first.astype(np.int64)) < 0).any()
         ):
             raise ValueError(
                 f"index {self.path}: first.npy ({self.first.dtype}, shape {self.first.shape}) does not match the header "
-                f"(int64, shape ({header.vocab_size + 1},), ending at {header.num_indexed_tokens}){rebuild}"
+                f"(int64, shape ({header.vocab_size + 1},), non-decreasing from 0 to {header.num_indexed_tokens})"
+                f"{rebuild}"
             )
         self.tokens = np.memmap(self.path / "tokens.u32", dtype="<u4", mode="r")
         self.suffix_array = np.memmap(self.path / "sa.bin", dtype=header.sa_dtype, mode="r")
