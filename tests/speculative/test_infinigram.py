@@ -1202,3 +1202,22 @@ def test_a_first_table_that_is_not_non_decreasing_is_refused_at_load(small_index
     np.save(path / "first.npy", first)
     with pytest.raises(ValueError, match="non-decreasing"):
         InfinigramIndex(path)
+
+
+@pytest.mark.parametrize("dense_range", [2048, 1])  # 1: every range takes the binary-search path
+def test_a_suffix_array_with_entries_outside_the_stream_drafts_without_failing(
+    small_index, tmp_path, monkeypatch, dense_range
+):
+    from hf_accel.speculative.drafters import index as index_module
+
+    monkeypatch.setattr(index_module, "_DENSE_RANGE", dense_range)
+    docs, index = small_index
+    path = tmp_path / "copy"
+    shutil.copytree(index.path, path)
+    sa = np.fromfile(path / "sa.bin", dtype=index.header.sa_dtype)
+    sa[::3], sa[1::3] = -7, 10**9  # the right size (all that is checked at load), entries past either end
+    sa.tofile(path / "sa.bin")
+    drafter = InfinigramDrafter(InfinigramIndex(path), config=InfinigramConfig(use_context=False))
+    for doc in docs[:10]:
+        for end in range(1, len(doc)):
+            drafter.draft_row(np.array(doc[:end]), 8, 20)

@@ -290,8 +290,14 @@ class InfinigramIndex:
     def _reversed_token(self, sa_positions: np.ndarray, offset: int) -> np.ndarray:
         """Token at `offset` of each reversed suffix (-1 past the start of the stream, which sorts first)."""
         index = self.num_tokens - 1 - sa_positions.astype(np.int64) - offset
-        values = self.tokens[np.clip(index, 0, None)].astype(np.int64)
-        return np.where(index >= 0, values, -1)
+        return self._stream_tokens(index)
+
+    def _stream_tokens(self, index: np.ndarray) -> np.ndarray:
+        """`tokens[index]` as `int64`, -1 outside the stream: before its start, and wherever a corrupt `sa.bin` (only
+        its size is checked at load) points, so that such an index drafts garbage, which the target rejects, rather
+        than failing mid-generation."""
+        inside = (index >= 0) & (index < self.num_tokens)
+        return np.where(inside, self.tokens[np.clip(index, 0, self.num_tokens - 1)].astype(np.int64), -1)
 
     def _narrow(self, lo: int, hi: int, offset: int, token: int) -> tuple[int, int]:
         """Sub-range of a small `[lo, hi)` whose reversed suffixes have `token` at `offset` (one vectorised read)."""
@@ -301,7 +307,8 @@ class InfinigramIndex:
     def _compare(self, sa_index: int, pattern: np.ndarray) -> tuple[int, int]:
         """`(lcp, order)` of the reversed suffix at `sa_index` against `pattern`: their longest common prefix and
         -1 / 0 / +1 if the suffix sorts before / starts with / sorts after the pattern."""
-        start = self.num_tokens - int(self.suffix_array[sa_index])  # reversed suffix = tokens[:start][::-1]
+        # reversed suffix = tokens[:start][::-1] (clipped: a corrupt entry must not wrap the slice around)
+        start = min(max(self.num_tokens - int(self.suffix_array[sa_index]), 0), self.num_tokens)
         window = np.asarray(self.tokens[max(0, start - len(pattern)) : start][::-1]).astype(np.int64)
         differ = np.nonzero(window != pattern[: len(window)])[0]
         if len(differ):
@@ -355,7 +362,7 @@ class InfinigramIndex:
         """
         starts = self.num_tokens - np.asarray(self.suffix_array[lo:hi]).astype(np.int64)
         index = starts[:, None] - 1 - np.arange(len(pattern))[None, :]  # reversed suffix, token by token
-        windows = np.where(index >= 0, self.tokens[np.clip(index, 0, None)].astype(np.int64), -1)
+        windows = self._stream_tokens(index)
         mismatch = windows != pattern[None, :]
         lcp = np.where(mismatch.any(1), mismatch.argmax(1), len(pattern))
         best = int(lcp.max())
