@@ -1221,3 +1221,18 @@ def test_a_suffix_array_with_entries_outside_the_stream_drafts_without_failing(
     for doc in docs[:10]:
         for end in range(1, len(doc)):
             drafter.draft_row(np.array(doc[:end]), 8, 20)
+
+
+def test_a_token_stream_with_ids_past_the_vocabulary_never_drafts_them(small_index, tmp_path):
+    docs, index = small_index
+    path = tmp_path / "copy"
+    shutil.copytree(index.path, path)
+    tokens = np.fromfile(path / "tokens.u32", dtype="<u4")
+    tokens[tokens == 70000] = 4_000_000  # the header says 200,000 ids
+    tokens.tofile(path / "tokens.u32")
+    drafter = InfinigramDrafter(InfinigramIndex(path), config=InfinigramConfig(use_context=False))
+    drafted = set()
+    for doc in docs[:10]:
+        for end in range(1, len(doc)):
+            drafted.update(drafter.draft_row(np.array(doc[:end]), 8, 20)[0])
+    assert drafted and max(drafted) < 200000

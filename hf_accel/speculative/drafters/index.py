@@ -382,6 +382,8 @@ class InfinigramIndex:
         index = starts[:, None] + np.arange(depth)[None, :]
         values = self.tokens[np.clip(index, 0, self.num_tokens - 1)].astype(np.int64)
         values[index >= self.num_tokens] = -1
-        ended = np.cumsum(values == SEPARATOR, axis=1) > 0  # a separator ends the document
+        # a separator ends the document, and so does an id past the header's vocabulary (a corrupt `tokens.u32`, whose
+        # contents are not read at load): drafted, it would fail the target's embedding mid-generation
+        ended = np.cumsum((values == SEPARATOR) | (values >= self.header.vocab_size), axis=1) > 0
         values[ended] = -1
         return values
