@@ -1236,3 +1236,20 @@ def test_a_token_stream_with_ids_past_the_vocabulary_never_drafts_them(small_ind
         for end in range(1, len(doc)):
             drafted.update(drafter.draft_row(np.array(doc[:end]), 8, 20)[0])
     assert drafted and max(drafted) < 200000
+
+
+def test_index_files_linking_outside_the_index_directory_are_refused(small_index, tmp_path):
+    path = tmp_path / "copy"
+    shutil.copytree(small_index[1].path, path)
+    (path / "data").mkdir()
+    (path / "tokens.u32").rename(path / "data" / "tokens.u32")
+    (path / "tokens.u32").symlink_to(Path("data") / "tokens.u32")  # inside: loads
+    assert InfinigramIndex(path).header == small_index[1].header
+    (path / "sa.bin").rename(tmp_path / "elsewhere.bin")
+    (path / "sa.bin").symlink_to(tmp_path / "elsewhere.bin")  # the right size and contents, but not in the folder
+    with pytest.raises(ValueError, match=r"sa\.bin links outside the index directory"):
+        InfinigramIndex(path)
+    (path / "sa.bin").unlink()
+    (path / "sa.bin").symlink_to(Path("..") / "elsewhere.bin")  # relative
+    with pytest.raises(ValueError, match=r"sa\.bin links outside the index directory"):
+        InfinigramIndex(path)

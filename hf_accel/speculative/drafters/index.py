@@ -200,6 +200,16 @@ def resolve_index_dir(name_or_path: str | Path) -> Path:
         ) from None
 
 
+def links_outside(path: Path) -> dict[str, Path]:
+    """The index files of `path` that resolve outside it (links someone else's folder may hold, to any file on this
+    machine), with where they point. Links of a Hugging Face cache snapshot into its repository's `blobs/` folder,
+    which is how the Hub client stores every download, are inside."""
+    root = path.resolve()
+    inside = [root, root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [root]
+    targets = {name: (path / name).resolve() for name in INDEX_FILES if (path / name).is_symlink()}
+    return {name: target for name, target in targets.items() if not any(target.is_relative_to(d) for d in inside)}
+
+
 class InfinigramIndex:
     """Read-only, memory-mapped view of an index directory.
 
@@ -215,6 +225,8 @@ class InfinigramIndex:
         if not header_file.is_file():
             raise FileNotFoundError(f"not an Infinigram index (no header.json): {self.path}")
         rebuild = "; rebuild it with `hf-accel index build`"
+        for name, target in links_outside(self.path).items():
+            raise ValueError(f"index {self.path}: {name} links outside the index directory, to {target}; not read")
         try:
             raw = json.loads(header_file.read_text(encoding="utf-8"))
             version = raw.get("format_version") if isinstance(raw, dict) else None
