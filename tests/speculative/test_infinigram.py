@@ -451,13 +451,15 @@ def test_a_killed_build_is_rebuilt_and_its_staging_dir_removed(small_index, tmp_
         (lambda h: {**h, "num_documents": h["num_tokens"]}, "not a valid index header"),
         (lambda h: {**h, "vocab_size": True}, "not a valid index header"),
         (None, "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON"),  # json: RecursionError
     ],
 )
 def test_a_malformed_header_is_one_clear_error(small_index, tmp_path, edit, message):
     path = tmp_path / "copy"
     shutil.copytree(small_index[1].path, path)
     header = json.loads((path / "header.json").read_text())
-    (path / "header.json").write_text("{not json" if edit is None else json.dumps(edit(header)))
+    text = edit if isinstance(edit, str) else "{not json" if edit is None else json.dumps(edit(header))
+    (path / "header.json").write_text(text)
     if message is None:
         assert InfinigramIndex(path).header.num_tokens == header["num_tokens"]
     else:

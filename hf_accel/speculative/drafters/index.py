@@ -230,7 +230,7 @@ class InfinigramIndex:
         try:
             raw = json.loads(header_file.read_text(encoding="utf-8"))
             version = raw.get("format_version") if isinstance(raw, dict) else None
-        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, arrays nested too deep
             raise ValueError(f"index {self.path}: header.json is not valid JSON ({err}){rebuild}") from None
         if version != INDEX_FORMAT_VERSION:
             raise ValueError(
