@@ -65,6 +65,14 @@ def _validate_palu(config) -> None:
             raise ValueError(f"{name} must list {config.num_hidden_layers} group ranks in [1, {width}], got {ranks}")
     if config.palu_quant_bits not in (0, 2, 3, 4):
         raise ValueError(f"palu_quant_bits must be 0, 2, 3 or 4, got {config.palu_quant_bits!r}")
+    # checked here, at load, not by the quantized cache at the first forward pass
+    q, ranks = config.palu_quant_group_size, [*(config.palu_k_ranks or []), *(config.palu_v_ranks or [])]
+    if q < 0 or (config.palu_quant_bits and q and any(r % q for r in ranks)):
+        raise ValueError(
+            f"palu_quant_group_size must be 0 (one scale per latent) or divide every group rank, got {q!r}"
+        )
+    if config.palu_residual_length < 0:
+        raise ValueError(f"palu_residual_length must be a non-negative integer, got {config.palu_residual_length!r}")
     if config.palu_kernel_backend not in KERNEL_BACKENDS:
         raise ValueError(f"palu_kernel_backend must be one of {KERNEL_BACKENDS}, got {config.palu_kernel_backend!r}")
 

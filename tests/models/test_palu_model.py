@@ -660,3 +660,21 @@ def test_triton_backend_in_half_precision_is_as_accurate_as_eager(palu, dtype):
         for backend in ("eager", "triton")
     }
     assert errors["triton"] <= 1.5 * errors["eager"] + 1e-3 * reference.abs().max(), errors
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"palu_quant_group_size": 5}, "palu_quant_group_size must be 0"),  # does not divide the ranks of 8
+        ({"palu_quant_group_size": -1}, "palu_quant_group_size must be 0"),
+        ({"palu_residual_length": -3}, "palu_residual_length must be a non-negative"),
+    ],
+)
+def test_a_config_with_bad_quantization_fields_is_refused_at_load(fields, message):
+    from hf_accel.models.configuration_palu import PaluLlamaConfig
+
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    ranks = {"palu_k_ranks": [8], "palu_v_ranks": [8], "palu_quant_bits": 4}
+    assert PaluLlamaConfig(**shape, **ranks, palu_quant_group_size=4, palu_residual_length=2)  # these are fine
+    with pytest.raises(ValueError, match=message):
+        PaluLlamaConfig(**shape, **ranks, **fields)
