@@ -170,6 +170,16 @@ def _placeholder_repo_id(name: str) -> str:
     return f"{_PLACEHOLDER_NAMESPACE}/{re.sub(r'[^A-Za-z0-9_.-]+', '-', name).strip('-.') or 'model'}"
 
 
+def _code_cell(value) -> str:
+    """`value` as inline code in a markdown table cell, shown as it is: on one line (a line break ends the table row),
+    its `|` escaped (GFM splits cells at a pipe even inside code) and fenced by more backticks than any run it holds
+    (file names and dataset names reach the settings table)."""
+    text = " ".join(str(value).splitlines()).replace("|", "\\|")
+    fence = "`" * (1 + max(map(len, re.findall("`+", text)), default=0))
+    pad = " " if not text.strip() or text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def _local_image(output_dir: Path, image: str | Path | None, default_globs: tuple[str, ...]) -> str | None:
     """A path relative to `output_dir` for an image (copied in when it lives elsewhere), or the first file there
     matching `default_globs`, or `None`."""
@@ -275,7 +285,7 @@ def write_model_card(
         repo_id=repo_id or _placeholder_repo_id(name),
         base_model=card_data.base_model,
         description=description,
-        settings=settings or {},
+        settings={_code_cell(key): _code_cell(value) for key, value in (settings or {}).items()},
         eval_results=card_data.eval_results or [],
         kv_bytes_per_token=kv_bytes_per_token,
         base_kv_bytes_per_token=base_kv_bytes_per_token,

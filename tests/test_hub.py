@@ -660,3 +660,23 @@ def test_published_name_names_a_local_input_by_its_own_name(tmp_path, monkeypatc
     assert published_name(".") == published_name("./") == published_name(str(tmp_path / "my_ds")) == "my_ds"
     assert published_name("../my_ds/train.txt") == "train.txt"
     assert published_name("karpathy/tiny_shakespeare") == "karpathy/tiny_shakespeare"
+
+
+@pytest.mark.parametrize("kind", sorted(ARTIFACT_KINDS))
+def test_settings_with_pipes_backticks_and_line_breaks_stay_one_cell_each(kind, tmp_path):
+    import re
+
+    values = {
+        "source 1": "text:notes | 2024.txt",
+        "source 2": "text:my `best`\nfile.txt",
+        "raw": "{{ 7 * 7 }} {% x %}",
+    }
+    write_model_card(tmp_path, kind, "org/base", settings=values)
+    text = (tmp_path / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `") and "setting" not in line]
+    assert len(rows) == len(values)  # a line break in a value would end its row
+    for row, (key, value) in zip(rows, values.items()):
+        cells = re.split(r"(?<!\\)\|", row)[1:-1]  # GFM splits at every unescaped pipe, in code too
+        assert len(cells) == 2 and cells[0].strip() == f"`{key}`"
+        code = re.fullmatch(r"(`+) ?(.*?) ?\1", cells[1].strip())
+        assert code and code.group(2).replace("\\|", "|") == value.replace("\n", " ")
