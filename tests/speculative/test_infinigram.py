@@ -1255,3 +1255,16 @@ def test_index_files_linking_outside_the_index_directory_are_refused(small_index
     (path / "sa.bin").symlink_to(Path("..") / "elsewhere.bin")  # relative
     with pytest.raises(ValueError, match=r"sa\.bin links outside the index directory"):
         InfinigramIndex(path)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"\xff\xfe not utf-8", b'{"key": "k", "tokens": ["a", 2]}', b'{"key": "k", "tokens": [[1], 2]}',
+     b'{"key": "k", "tokens": [1.5, 2]}', b'{"key": "k", "tokens": [true, 2]}'],
+)  # fmt: skip
+def test_a_self_distillation_record_that_is_not_utf_8_token_ids_is_refused_by_its_line(line):
+    from hf_accel.speculative.drafters.build import parse_self_distill_records
+
+    data = b'{"key": "ok", "tokens": [1, 2]}\n' + line + b"\n"
+    with pytest.raises(ValueError, match="cache.jsonl line 2 is not a self-distillation record"):
+        parse_self_distill_records(data, "cache.jsonl")

@@ -315,12 +315,13 @@ def parse_self_distill_records(data: bytes, cache_file) -> tuple[dict[str, dict]
     """The records of [`whole_records`]'s `data` by key (the last one of a key wins), and how many there were;
     `ValueError` in one line on a line that is not a record."""
     done, count = {}, 0
-    for number, line in enumerate(data.decode("utf-8").splitlines(), 1):
+    for number, line in enumerate(data.splitlines(), 1):
         if line.strip():
             count += 1
             try:
-                record = json.loads(line)
-                if not isinstance(record.get("tokens"), list):
+                record = json.loads(line.decode("utf-8"))  # UnicodeDecodeError is a ValueError
+                # token ids, checked here: strings or lists failed after the generation, floats in the index build
+                if not isinstance(record.get("tokens"), list) or not all(type(t) is int for t in record["tokens"]):
                     raise TypeError
                 done[record["key"]] = record
             except (ValueError, KeyError, TypeError, AttributeError):
