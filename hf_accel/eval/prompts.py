@@ -27,14 +27,18 @@ def _read_jsonl(path: Path) -> list[dict]:
         raise FileNotFoundError(f"prompts file not found: {path}")
     records = []
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with opener(path, "rb") as f:  # decoded line by line below, so that a bad byte is named by its line
         try:
-            lines = f.readlines()
+            lines = f.read().splitlines()
         except (gzip.BadGzipFile, EOFError) as err:
             raise ValueError(f"{path}: not a valid gzip file ({err})") from None
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {line[err.start]:#04x})") from None
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:

@@ -102,3 +102,17 @@ def test_make_code_prompts_refuses_a_count_below_one(tmp_path, capsys, count):
     assert len(records) == 3 and all(
         r["task_id"].startswith("stdlib/") and r["prompt"].endswith('"""\n') for r in records
     )
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_prompt_file_with_bytes_that_are_not_utf_8_names_the_file_and_line(tmp_path, suffix):
+    import gzip
+
+    data = b'{"question_id": 1, "turns": ["caf\xc3\xa9"]}\r\n{"question_id": 2, "turns": ["caf\xe9"]}\n'
+    path = tmp_path / f"my prompts \u00fc{suffix}"  # a space and a non-ASCII letter in the path too
+    write = lambda data: path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    write(data)
+    with pytest.raises(ValueError, match=rf"my prompts \u00fc{suffix}:2: not UTF-8 text \(byte 0xe9\)"):
+        load_prompts(str(path))
+    write(data.replace(b"caf\xe9", b"tea"))
+    assert [p.text for p in load_prompts(str(path))] == ["caf\u00e9", "tea"]
