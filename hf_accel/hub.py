@@ -106,12 +106,21 @@ def _artifact_kind(kind: str) -> ArtifactKind:
 
 
 def hub_base_model(name_or_path: str) -> str:
-    """The Hub id to write as `base_model`: aliases are mapped (`smollm2-135m`), local paths are refused."""
+    """The Hub id to write as `base_model`: aliases are mapped (`smollm2-135m`), local paths and names the Hub would
+    not take as a repository id (spaces, quotes, line breaks: they would also reach the card's snippets) are
+    refused."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     from .loading import looks_like_local_path
 
     name = HUB_IDS.get(name_or_path, name_or_path)
-    if not isinstance(name, str) or looks_like_local_path(name) or not name.strip("/"):
-        raise ValueError(f"base_model must be a Hub id like ORG/NAME, got {name_or_path!r} (a local path?)")
+    try:
+        if not isinstance(name, str) or looks_like_local_path(name):
+            raise HFValidationError(name)
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ValueError(f"base_model must be a Hub id like ORG/NAME, got {name_or_path!r} (a local path?)") from None
     return name
 
 

@@ -94,6 +94,10 @@ def test_card_refuses_a_local_path_as_base_model(tmp_path):
     # no base at all (a local model's `None`): the same line, not a TypeError from the path check
     with pytest.raises(ValueError, match="Hub id like ORG/NAME, got None"):
         save_artifact(tmp_path / "artifact", "converted-model", None)
+    # names the Hub takes for no repository: into the metadata and the card's code snippets
+    for name in ("my model", "org/name\nextra: 1", 'org/name"); import os  #', "org/{{ name }}", "org/name@main"):
+        with pytest.raises(ValueError, match="Hub id like ORG/NAME"):
+            write_model_card(tmp_path, "converted-model", name)
 
 
 def test_saved_artifact_loads_by_repo_id_from_an_offline_hub_cache(tmp_path):
