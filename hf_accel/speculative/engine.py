@@ -15,8 +15,10 @@ A drafter is any object with a `propose(request: DraftRequest) -> DraftTree | No
   pass, with the tokens committed per row, the accepted nodes, and what the capability attributes asked for.
 - `requires_hidden_states` (`tuple[int, ...]`, default `()`): indices into the model's `hidden_states` output
   (e.g. `(-1,)` for the last layer, `(0, L // 2, -2, -1)` for SpecFormer); the engine runs the target with
-  `output_hidden_states=True` and hands back those layers at the committed positions (all prompt positions at the
-  prefill; root + accepted nodes after a verification pass). CP heads read `[:, path_length - 1]` of layer `-1`.
+  `output_hidden_states=True` and hands back those layers at the committed positions, in order and padded on the
+  right (the real prompt positions at the prefill; root + accepted nodes after a verification pass): the same
+  layout every time, so CP heads read `[b, path_length[b] - 1]` of layer `-1`, and SpecFormer appends
+  `[b, :path_length[b]]` to its own history.
 - `provides_draft_probs` (`bool`, default `False`): documentation of intent; the engine uses
   `DraftTree.draft_probs` whenever it is set (lossless rejection sampling) and the point-mass rule otherwise.
 - Auxiliary inputs (PPD): a `DraftTree` may carry `aux_embeds` / `aux_parent`; they get their own tree mask rows
@@ -187,8 +189,9 @@ class VerifyResult:
             nodes; the prompt length at the prefill).
         finished (`torch.BoolTensor` of shape `(num_active,)`): rows that stopped in this pass.
         hidden_states (`dict[int, torch.FloatTensor]`): requested layers at the committed positions,
-            `(num_active, max(path_length), hidden_size)` each, in path order and padded on the right; at the
-            prefill, `(num_active, prompt_length, hidden_size)` in the (left-padded) prompt layout.
+            `(num_active, max(path_length), hidden_size)` each, in path order and padded on the right (at the
+            prefill: the real prompt positions, left padding dropped), so `[b, path_length[b] - 1]` is always the
+            position whose logits chose row `b`'s last new token.
         aux_logits (`torch.FloatTensor` of shape `(num_active, num_aux, vocab_size)`, *optional*): raw logits at the
             auxiliary nodes.
         is_prefill (`bool`): whether this result comes from the prefill.
@@ -498,10 +501,15 @@ class SpeculativeEngine:
         scores = _process_scores(self.logits_processor, input_ids, logits)
         tokens = self._pick(scores, state.rows, state.next_position)
         new_tokens, finished = self._commit(state, [[t] for t in tokens.tolist()])
-        hidden = {i: outputs.hidden_states[i] for i in self.hidden_layers} if self.hidden_layers else {}
+        path_length = state.prompt_mask.sum(-1)
+        # the real prompt positions in order, then padding, as after a verification pass (a stable sort puts a row's
+        # real positions first)
+        keep = torch.sort((state.prompt_mask == 0).to(torch.int8), dim=1, stable=True).indices
+        keep = keep[:, : int(path_length.max())]
+        hidden = {i: _gather_nodes(outputs.hidden_states[i], keep) for i in self.hidden_layers}
         result = VerifyResult(
-            state.rows.clone(), new_tokens, torch.full_like(state.rows, -1), state.prompt_mask.sum(-1), finished,
-            hidden, is_prefill=True,
+            state.rows.clone(), new_tokens, torch.full_like(state.rows, -1), path_length, finished, hidden,
+            is_prefill=True,
         )  # fmt: skip
         self._after_pass(state, cache, result)
         return cache

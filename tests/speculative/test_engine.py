@@ -689,6 +689,33 @@ def test_hidden_states_and_best_node_follow_the_accepted_path(tiny_llama):
     assert max(len(r.new_tokens[0]) for r in drafter.results[1:]) > 2  # drafts were accepted past the wrong node
 
 
+def test_hidden_states_are_the_committed_positions_in_order_at_the_prefill_too(tiny_llama):
+    """In a left-padded batch, every result (the prefill's included) hands back the committed positions in order,
+    `path_length[b]` of them, padded on the right: `[b, path_length[b] - 1]` is the position whose logits chose the
+    row's last token (what CP heads read), and the pieces joined are the target's states over the committed text
+    (what SpecFormer's own causal layer appends)."""
+    input_ids, attention_mask = _ragged_batch(3)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 10, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs)
+
+    class Reader(ReferenceDrafter):
+        requires_hidden_states = (-1,)
+
+    drafter = Reader(reference, tree=True)
+    assert torch.equal(tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
+    history = {row: [] for row in range(3)}
+    for result in drafter.results:
+        hidden = result.hidden_states[-1]
+        for b, row in enumerate(result.rows.tolist()):
+            last = hidden[b, int(result.path_length[b]) - 1]
+            assert int(tiny_llama.lm_head(last).argmax()) == result.new_tokens[b][-1]
+            history[row].append(hidden[b, : int(result.path_length[b])])
+    for row in range(3):
+        text = reference[row, int((attention_mask[row] == 0).sum()) : -1]
+        expected = tiny_llama(text[None], output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(torch.cat(history[row]), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_each_row_is_verified_against_its_own_draft_probabilities():
     """Rows draft different tokens from different point masses: a row's draft of `x` (probability 1 under its own
     `q`) is accepted with probability `p(x)`, not 1 as under another row's `q` that gives `x` no mass. Oracle: the
