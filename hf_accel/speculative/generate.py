@@ -247,6 +247,7 @@ class DrafterCandidateGenerator(CandidateGenerator):
 
     Use it through `model.generate(..., custom_generate=assisted_generate, drafter=d)`. The drafter's tree must be a chain (the first
     path is taken otherwise); draft probabilities are not passed on (transformers then uses the point-mass rule).
+    Drafters that read the pass (hidden states, auxiliary inputs' logits) are refused: the loop exposes neither.
 
     Args:
         drafter: a drafter following hf-accel's protocol.
@@ -282,6 +283,11 @@ class DrafterCandidateGenerator(CandidateGenerator):
         tic = time.perf_counter()
         tree = self.drafter.propose(request)
         self.drafter_time_s += time.perf_counter() - tic
+        if tree is not None and tree.num_aux:  # PPD's prompt tokens: the loop feeds tokens only, returns no logits
+            raise ValueError(
+                "transformers' assisted loop cannot run a draft's auxiliary inputs (`aux_embeds`) nor return their "
+                "logits; use `custom_generate`"
+            )
         # a drafter may ignore `max_depth`: deeper candidates cannot be committed, and models with a position table
         # (GPT-2, OPT) have no position for them when `max_length` is the table's size
         self._chain_nodes = _first_chain(tree)[: max(0, int(request.max_depth[0]))]
@@ -330,6 +336,11 @@ def assisted_generate(
 ):  # fmt: skip
     """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`])."""
     _validate_call("assisted_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
+    if getattr(drafter, "requires_hidden_states", ()):  # CP heads, SpecFormer: their `update` would get none
+        raise ValueError(
+            "transformers' assisted loop hands a drafter no hidden states (it asks for `requires_hidden_states`); "
+            "use `custom_generate`"
+        )
     cache = model_kwargs.get("past_key_values")
     if cache is not None and cache.get_seq_length() > 0:
         # transformers' assisted loop feeds its first pass the whole `input_ids` on top of the cached tokens (its own

@@ -264,6 +264,26 @@ def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
     assert torch.equal(out, reference)
 
 
+def test_transformers_assisted_loop_refuses_drafters_that_read_the_pass_in_one_line(tiny_llama):
+    """transformers' assisted loop hands a drafter neither hidden states (CP heads, SpecFormer) nor the logits of
+    auxiliary inputs (PPD): such a drafter failed with a KeyError of its own, or PPD's prompt tokens were dropped."""
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
+
+    class NeedsHidden(ReferenceDrafter):
+        requires_hidden_states = (-1,)
+
+    class Auxiliary(ReferenceDrafter):
+        def propose(self, request):
+            tree = super().propose(request)
+            tree.aux_embeds, tree.aux_parent = torch.zeros(1, 1, 32), torch.tensor([[-1]])
+            return tree
+
+    for drafter, reason in ((NeedsHidden(reference), "hidden states"), (Auxiliary(reference), "auxiliary inputs")):
+        with pytest.raises(ValueError, match=f"{reason}.*use `custom_generate`"):
+            tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=assisted_generate, drafter=drafter)
+
+
 def test_a_drafter_name_instead_of_a_drafter_is_refused_in_one_line(tiny_llama):
     input_ids = torch.tensor([[5, 6, 7, 8]])
     for loop in (custom_generate, assisted_generate):
