@@ -96,6 +96,7 @@ from .cache import select_cache_positions, select_cache_rows, validate_cache_for
 from .tree import (
     DraftTree,
     build_tree_attention_mask,
+    check_tree_shapes,
     compute_ancestor_matrix,
     compute_depths,
     to_verification_parents,
@@ -548,6 +549,7 @@ class SpeculativeEngine:
             tree = DraftTree(roots.new_zeros((batch_size, 0)), roots.new_zeros((batch_size, 0)))
         if tree.input_ids.shape[0] != batch_size:
             raise ValueError(f"the drafter proposed {tree.input_ids.shape[0]} rows for {batch_size} active rows")
+        check_tree_shapes(tree, batch_size)
         num_nodes = tree.num_nodes + 1
         tree_ids = torch.cat([roots, tree.input_ids.to(device)], dim=1)  # [B, N]
         check_draft_ids(tree.input_ids, self.vocab_size)
@@ -581,6 +583,11 @@ class SpeculativeEngine:
             embedding = self.model.get_input_embeddings()
             weights = embedding.weight.device  # meta when accelerate offloads it: its hook moves the ids itself
             embeds = embedding(tree_ids if weights.type == "meta" else tree_ids.to(weights))
+            if tree.aux_embeds.shape[-1] != embeds.shape[-1]:
+                raise ValueError(
+                    f"the draft tree's `aux_embeds` have width {tree.aux_embeds.shape[-1]}, the target's input "
+                    f"embeddings {embeds.shape[-1]}"
+                )
             inputs = {"inputs_embeds": torch.cat([embeds, tree.aux_embeds.to(embeds)], dim=1)}
         else:
             inputs = {"input_ids": tree_ids}

@@ -96,6 +96,22 @@ def to_verification_parents(parent: torch.LongTensor) -> torch.LongTensor:
     return torch.cat([root, parent + 1], dim=1)
 
 
+def check_tree_shapes(tree: DraftTree, batch_size: int) -> None:
+    """Refuses in one line a tree whose fields disagree on rows or nodes, or that has only one of `aux_embeds` /
+    `aux_parent` (embeddings without parents would be dropped silently; the rest failed as size errors in the pass)."""
+    if (tree.aux_embeds is None) != (tree.aux_parent is None):
+        raise ValueError("a draft tree's auxiliary inputs need both `aux_embeds` and `aux_parent`")
+    nodes, aux = (batch_size, tree.num_nodes), (batch_size, tree.num_aux)
+    expected = {"input_ids": nodes, "parent": nodes, "node_mask": nodes, "draft_probs": nodes, "aux_parent": aux}
+    expected["aux_embeds"] = aux
+    for name, shape in expected.items():
+        value = getattr(tree, name)
+        if value is not None and tuple(value.shape[:2]) != shape:
+            raise ValueError(
+                f"the draft tree's `{name}` has shape {tuple(value.shape)}, expected (rows, nodes) = {shape} first"
+            )
+
+
 def validate_parents(parent: torch.LongTensor) -> None:
     """Raises `ValueError` unless every parent index points to an earlier node (verification numbering)."""
     index = torch.arange(parent.shape[-1], device=parent.device)

@@ -593,6 +593,27 @@ def test_hidden_states_and_auxiliary_inputs_reach_the_drafter(tiny_llama, offloa
     torch.testing.assert_close(first.aux_logits[0], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"aux_embeds": torch.zeros(2, 2, 32)}, "need both"),  # was dropped silently: no aux logits came back
+        ({"aux_parent": torch.tensor([[-1, 0]] * 2)}, "need both"),
+        ({"aux_embeds": torch.zeros(2, 3, 32), "aux_parent": torch.tensor([[-1, 0]] * 2)}, "aux_embeds"),
+        ({"aux_embeds": torch.zeros(2, 2, 32), "aux_parent": torch.tensor([[-1, 0]])}, "aux_parent"),
+        ({"aux_embeds": torch.zeros(2, 2, 16), "aux_parent": torch.tensor([[-1, 0]] * 2)}, "width 16"),
+        ({"draft_probs": torch.full((2, 2, 97), 1 / 97)}, "draft_probs"),
+    ],
+)
+def test_draft_trees_with_inconsistent_fields_are_refused_in_one_line(tiny_llama, fields, message):
+    class Malformed:
+        def propose(self, request):
+            return DraftTree(torch.tensor([[11], [12]]), torch.tensor([[-1], [-1]]), **fields)
+
+    with pytest.raises(ValueError, match=message):
+        tiny_llama.generate(torch.tensor([[5, 6, 7, 8], [5, 6, 7, 9]]), max_new_tokens=4, do_sample=True,
+                            custom_generate=custom_generate, drafter=Malformed())  # fmt: skip
+
+
 @pytest.mark.parametrize("processor", [{"repetition_penalty": 1.5}, {"min_new_tokens": 8, "no_repeat_ngram_size": 2}])
 def test_context_dependent_processors_keep_greedy_identity(processor):
     """Processors that read the context see each tree node's own path (left-padded batch of 2)."""
