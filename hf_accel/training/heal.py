@@ -28,6 +28,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
+from ..cli import finite_or_null
 from ..hub import copy_remote_code, is_hf_accel_card, published_name
 from ..loading import to_checkpoint_dtype
 from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
@@ -746,6 +747,7 @@ def run_healing(args: HealingArguments) -> HealingResult:
         # published with the model: no local paths (the plot lies beside it)
         written = {**summary, "plot": summary["plot"] and PLOT_FILE}
         del written["output_dir"]
-        (Path(args.output_dir) / SUMMARY_FILE).write_text(json.dumps(written, indent=1), encoding="utf-8")
+        strict = json.dumps(finite_or_null(written), indent=1, allow_nan=False)  # NaN is no JSON: null
+        (Path(args.output_dir) / SUMMARY_FILE).write_text(strict, encoding="utf-8")
     trainer.accelerator.wait_for_everyone()
     return HealingResult(model=merged, summary=summary)

@@ -560,6 +560,32 @@ def test_an_interrupted_history_write_keeps_the_previous_curve(tmp_path, monkeyp
     assert read_history(history_file) == before and [p["step"] for p in before["points"]] == [1]
 
 
+def test_a_nan_perplexity_is_written_as_null_in_the_history_file(tmp_path):
+    # a diverged run's curve held NaN, which is no JSON: jq and JSON.parse refused the whole file
+    import json
+    from types import SimpleNamespace
+
+    from hf_accel.training.monitor import PerplexityCallback, plot_perplexity_curve, read_history
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    history_file = tmp_path / "ppl_history.json"
+    callback = PerplexityCallback(make_char_tokenizer(), HELD_OUT, 1, history_file, seq_len=16, max_tokens=64)
+    model = make_tiny_llama(vocab_size=VOCAB_SIZE)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    state = SimpleNamespace(is_world_process_zero=True, global_step=1, num_input_tokens_seen=8)
+    callback.on_step_end(None, state, None, model=model)
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    json.loads(history_file.read_text(), parse_constant=refuse)
+    history = read_history(history_file)
+    assert [p["ppl"] for p in history["points"]] == [None]
+    plot_perplexity_curve(history, tmp_path / "ppl_curve.png")  # a resumed run plots the curve it read back
+
+
 def _merged_lora_weights(result):
     return {k: v for k, v in result.model.state_dict().items() if ".self_attn." in k}
 
