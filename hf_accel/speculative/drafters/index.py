@@ -392,10 +392,9 @@ class InfinigramIndex:
         positions = np.asarray(self.suffix_array[lo:hi:stride][:max_support]).astype(np.int64)
         starts = self.num_tokens - positions  # first continuation token (stream index)
         index = starts[:, None] + np.arange(depth)[None, :]
-        values = self.tokens[np.clip(index, 0, self.num_tokens - 1)].astype(np.int64)
-        values[index >= self.num_tokens] = -1
-        # a separator ends the document, and so does an id past the header's vocabulary (a corrupt `tokens.u32`, whose
-        # contents are not read at load): drafted, it would fail the target's embedding mid-generation
-        ended = np.cumsum((values == SEPARATOR) | (values >= self.header.vocab_size), axis=1) > 0
+        values = self._stream_tokens(index)
+        # a separator ends the document, and so do the stream's end and an id past the header's vocabulary (a corrupt
+        # `tokens.u32`, whose contents are not read at load): drafted, it would fail the target's embedding
+        ended = np.cumsum((values < 0) | (values == SEPARATOR) | (values >= self.header.vocab_size), axis=1) > 0
         values[ended] = -1
         return values
