@@ -239,10 +239,7 @@ class _DecodeState:
     def max_depth(self) -> torch.LongTensor:
         """`[B_active]`: the deepest draft node that can still be committed (`max_length`) and sits before the
         model's [`draft_position_limit`]."""
-        depth = self.max_length - self.lengths[self.rows] - 1
-        if self.position_limit is not None:
-            depth = torch.minimum(depth, (self.position_limit - 1 - self.next_position).clamp(min=0))
-        return depth
+        return max_draft_depth(self.max_length - self.lengths[self.rows] - 1, self.next_position, self.position_limit)
 
     def request(self, do_sample: bool) -> DraftRequest:
         lengths = self.lengths[self.rows]
@@ -319,6 +316,16 @@ def attention_window(config) -> tuple[int | None, bool]:
     return next(iter(windowed))[1], per_layer_type
 
 
+def _rope_types(model):
+    """`(rotary module, layer type, rope type)` of every rotary embedding of `model`: one triple per layer type where
+    the module keeps a dict of them (Gemma 3, Qwen3-Next), else one with layer type `None`."""
+    for module in model.modules():
+        if "Rotary" in type(module).__name__:
+            rope_types = getattr(module, "rope_type", None)
+            for layer_type, rope_type in rope_types.items() if isinstance(rope_types, dict) else [(None, rope_types)]:
+                yield module, layer_type, rope_type
+
+
 def draft_position_limit(model) -> int | None:
     """The first position no draft node may take, or `None`.
 
@@ -331,17 +338,11 @@ def draft_position_limit(model) -> int | None:
 
     Other rotary models go on past `max_position_embeddings` as plain `generate` does: `None`.
     """
-    rotary = [module for module in model.modules() if "Rotary" in type(module).__name__]
-    if not rotary:
+    rope = list(_rope_types(model))
+    if not rope:
         limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         return None if limit is None else int(limit)
-    limits = []
-    for module in rotary:
-        rope_types = getattr(module, "rope_type", None)
-        rope_types = rope_types.values() if isinstance(rope_types, dict) else [rope_types]  # one per layer type
-        if any("dynamic" in str(rope_type) for rope_type in rope_types):
-            limits.append(int(module.original_max_seq_len))
-    return min(limits, default=None)
+    return min((int(module.original_max_seq_len) for module, _, kind in rope if "dynamic" in str(kind)), default=None)
 
 
 def longrope_switch(model) -> int | None:
@@ -353,17 +354,20 @@ def longrope_switch(model) -> int | None:
     refuses calls that may cross it.
     """
     switches = []
-    for module in model.modules():
-        if "Rotary" not in type(module).__name__:
-            continue
-        rope_types = getattr(module, "rope_type", None)
-        per_layer_type = isinstance(rope_types, dict)
-        for layer_type, rope_type in rope_types.items() if per_layer_type else [(None, rope_types)]:
-            if rope_type == "longrope":
-                parameters = module.config.rope_parameters
-                parameters = parameters[layer_type] if per_layer_type else parameters
-                switches.append(int(parameters["original_max_position_embeddings"]))
+    for module, layer_type, kind in _rope_types(model):
+        if kind == "longrope":
+            parameters = module.config.rope_parameters
+            parameters = parameters[layer_type] if layer_type is not None else parameters
+            switches.append(int(parameters["original_max_position_embeddings"]))
     return min(switches, default=None)
+
+
+def max_draft_depth(remaining, root_position, position_limit: int | None):
+    """The deepest draft node a pass may verify, per row: at most `remaining` (what `max_length` still allows after
+    the root), and every node (at `root_position + depth`) before the model's [`draft_position_limit`]."""
+    if position_limit is None:
+        return remaining
+    return torch.minimum(remaining, (position_limit - 1 - root_position).clamp(min=0))
 
 
 def _declares_layer_types(config) -> bool:

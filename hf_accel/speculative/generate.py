@@ -34,6 +34,7 @@ from .engine import (
     draft_position_limit,
     input_vocab_size,
     longrope_switch,
+    max_draft_depth,
 )
 from .tree import DraftTree
 
@@ -273,12 +274,11 @@ class DrafterCandidateGenerator(CandidateGenerator):
         if input_ids.shape[0] != 1:
             raise ValueError("transformers' assisted loop supports batch size 1; use `custom_generate` for batches")
         length = input_ids.shape[1]
-        max_depth = self.generation_config.max_length - length - 1
-        if self.position_limit is not None:  # the root sits at position `length - 1`
-            max_depth = min(max_depth, max(0, self.position_limit - length))
+        remaining = torch.tensor([self.generation_config.max_length - length - 1])
+        max_depth = max_draft_depth(remaining, torch.tensor([length - 1]), self.position_limit)  # the root: length - 1
         request = DraftRequest(
             input_ids, torch.tensor([length]), self.prompt_length, torch.ones_like(input_ids[:, : self.prompt_length]),
-            torch.tensor([0]), torch.tensor([max_depth]), bool(self.generation_config.do_sample),
+            torch.tensor([0]), max_depth, bool(self.generation_config.do_sample),
         )  # fmt: skip
         tic = time.perf_counter()
         tree = self.drafter.propose(request)
