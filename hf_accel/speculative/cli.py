@@ -80,11 +80,12 @@ def _run_build(args) -> int:
         documents.append(iter_dataset_documents(args.dataset, tokenizer, args.split, args.text_column))
         sources.append(f"dataset:{published_name(args.dataset)}:{args.split}:{args.text_column}")
     generation_s = 0.0
+    vocab_size = tokenizer_fingerprint(tokenizer)[2] if prompt_sets else None  # ids a self-distilled answer may keep
     for name, offset, limit in prompt_sets:
         prompts = load_prompts(name, tokenizer, limit=limit, offset=offset)
         tic = time.perf_counter()
         answers = self_distill(model, tokenizer, prompts, out, args.max_new_tokens, args.batch_size, args.model)
-        documents.append(pieces_within_vocabulary(answers, tokenizer_fingerprint(tokenizer)[2]))
+        documents.append(pieces_within_vocabulary(answers, vocab_size))
         generation_s += time.perf_counter() - tic
         sources.append(
             f"self-distill:{published_name(name)}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}"
