@@ -23,9 +23,14 @@ def finite_or_null(obj):
     return obj
 
 
+def strict_json(obj, indent: int | None = None) -> str:
+    """`obj` as strict JSON text, non-finite numbers as `null` (for `--json` output and the JSON files we write)."""
+    return json.dumps(finite_or_null(obj), indent=indent, allow_nan=False)
+
+
 def print_json(obj) -> None:
     """Prints `obj` as one line of strict JSON on stdout (non-finite numbers as `null`)."""
-    print(json.dumps(finite_or_null(obj), indent=None, sort_keys=False, allow_nan=False))
+    print(strict_json(obj))
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):

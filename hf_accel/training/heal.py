@@ -28,7 +28,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from ..cli import finite_or_null
+from ..cli import strict_json
 from ..hub import copy_remote_code, is_hf_accel_card, published_name
 from ..loading import to_checkpoint_dtype
 from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
@@ -747,7 +747,6 @@ def run_healing(args: HealingArguments) -> HealingResult:
         # published with the model: no local paths (the plot lies beside it)
         written = {**summary, "plot": summary["plot"] and PLOT_FILE}
         del written["output_dir"]
-        strict = json.dumps(finite_or_null(written), indent=1, allow_nan=False)  # NaN is no JSON: null
-        (Path(args.output_dir) / SUMMARY_FILE).write_text(strict, encoding="utf-8")
+        (Path(args.output_dir) / SUMMARY_FILE).write_text(strict_json(written, indent=1), encoding="utf-8")
     trainer.accelerator.wait_for_everyone()
     return HealingResult(model=merged, summary=summary)

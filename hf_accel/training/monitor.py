@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_utils import SaveStrategy
 
-from ..cli import finite_or_null
+from ..cli import strict_json
 from ..eval.perplexity import compute_perplexity
 
 
@@ -132,7 +132,7 @@ class PerplexityCallback(TrainerCallback):
         # atomically: an interruption (what resuming is for) leaves the previous curve, not a truncated file
         tmp = self.history_file.with_name(f".{self.history_file.name}.tmp")
         # strict JSON: a diverged run's NaN perplexity is written as null (`jq` refuses NaN and the whole file)
-        tmp.write_text(json.dumps(finite_or_null(self.history), indent=1, allow_nan=False), encoding="utf-8")
+        tmp.write_text(strict_json(self.history, indent=1), encoding="utf-8")
         os.replace(tmp, self.history_file)
         tqdm.write(f"step {step}: {point['tokens']} training tokens, validation perplexity {point['ppl']:.3f}")
 
