@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import SaveStrategy
 
 from ..cli import strict_json
+from ..compress.export import replace_atomically
 from ..eval.perplexity import compute_perplexity
 
 
@@ -129,11 +130,10 @@ class PerplexityCallback(TrainerCallback):
         point = {"step": step, "tokens": int(state.num_input_tokens_seen), "ppl": result["ppl"]}
         self.history["points"].append(point)
         self.history_file.parent.mkdir(parents=True, exist_ok=True)
-        # atomically: an interruption (what resuming is for) leaves the previous curve, not a truncated file
-        tmp = self.history_file.with_name(f".{self.history_file.name}.tmp")
+        # atomically: an interruption (what resuming is for) leaves the previous curve, not a truncated file;
         # strict JSON: a diverged run's NaN perplexity is written as null (`jq` refuses NaN and the whole file)
-        tmp.write_text(strict_json(self.history, indent=1), encoding="utf-8")
-        os.replace(tmp, self.history_file)
+        text = strict_json(self.history, indent=1)
+        replace_atomically(self.history_file, Path.write_text, text, "utf-8")
         tqdm.write(f"step {step}: {point['tokens']} training tokens, validation perplexity {point['ppl']:.3f}")
 
     def _evaluated(self, step: int) -> bool:

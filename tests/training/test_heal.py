@@ -558,6 +558,7 @@ def test_an_interrupted_history_write_keeps_the_previous_curve(tmp_path, monkeyp
         )
     monkeypatch.undo()
     assert read_history(history_file) == before and [p["step"] for p in before["points"]] == [1]
+    assert [p.name for p in tmp_path.iterdir()] == [history_file.name]  # and no partial file beside it
 
 
 def test_a_nan_perplexity_is_written_as_null_in_the_history_file(tmp_path):
