@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton kernels run in its CPU interpreter unless the caller says otherwise (TRITON_INTERPRET=0 on a GPU machine).
 # It must be set before anything imports triton, and transformers may import it on the way.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Nothing is cached in the user's folders, and two runs at once share no cache: transformers caches a checkpoint's
+# remote code under the checkpoint directory's name, which pytest's `tmp_path` names repeat from run to run.
+_CACHES = tempfile.mkdtemp(prefix="hf-accel-tests-")
+atexit.register(shutil.rmtree, _CACHES, ignore_errors=True)
+os.environ["HF_MODULES_CACHE"] = os.path.join(_CACHES, "modules")
+os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHES, "datasets")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
