@@ -172,6 +172,13 @@ def _eval_results(results, model_name: str):
     return out
 
 
+def _eval_row(result) -> tuple[str, str, str]:
+    """An `EvalResult` as the evaluation table's (metric, dataset, value) cells: a dataset named after a local file
+    may hold a pipe or a line break."""
+    dataset = result.dataset_name + (f" ({result.dataset_split})" if result.dataset_split else "")
+    return tuple(map(_table_cell, (result.metric_name or result.metric_type, dataset, result.metric_value)))
+
+
 def _placeholder_repo_id(name: str) -> str:
     """`<your-namespace>/NAME` for a card saved without a repo id, NAME made a valid repository name (`my model (v2)`
     gives `my-model-v2`): publishing replaces the whole placeholder with the repository, which a space or a bracket
@@ -179,11 +186,21 @@ def _placeholder_repo_id(name: str) -> str:
     return f"{_PLACEHOLDER_NAMESPACE}/{re.sub(r'[^A-Za-z0-9_.-]+', '-', name).strip('-.') or 'model'}"
 
 
+def _one_line(value) -> str:
+    """`value` as text on one line: a line break ends a markdown table row or heading."""
+    return " ".join(str(value).splitlines())
+
+
+def _table_cell(value) -> str:
+    """`value` as one markdown table cell: on one line, its `|` escaped (GFM splits cells at every pipe)."""
+    return _one_line(value).replace("|", "\\|")
+
+
 def _code_cell(value) -> str:
-    """`value` as inline code in a markdown table cell, shown as it is: on one line (a line break ends the table row),
-    its `|` escaped (GFM splits cells at a pipe even inside code) and fenced by more backticks than any run it holds
-    (file names and dataset names reach the settings table)."""
-    text = " ".join(str(value).splitlines()).replace("|", "\\|")
+    """`value` as inline code in a markdown table cell, shown as it is: a [`_table_cell`] (GFM splits at a pipe even
+    inside code) fenced by more backticks than any run it holds (file names and dataset names reach the settings
+    table)."""
+    text = _table_cell(value)
     fence = "`" * (1 + max(map(len, re.findall("`+", text)), default=0))
     pad = " " if not text.strip() or text.startswith("`") or text.endswith("`") else ""
     return f"{fence}{pad}{text}{pad}{fence}"
@@ -290,12 +307,12 @@ def write_model_card(
     card = ModelCard.from_template(
         card_data,
         template_path=str(Path(template_dir or HUB_CARDS_DIR) / spec.template),
-        model_name=name,
+        model_name=_one_line(name),
         repo_id=repo_id or _placeholder_repo_id(name),
         base_model=card_data.base_model,
         description=description,
         settings={_code_cell(key): _code_cell(value) for key, value in (settings or {}).items()},
-        eval_results=card_data.eval_results or [],
+        eval_rows=[_eval_row(r) for r in card_data.eval_results or []],
         kv_bytes_per_token=kv_bytes_per_token,
         base_kv_bytes_per_token=base_kv_bytes_per_token,
         kv_ratio=ratio,

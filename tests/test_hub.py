@@ -684,3 +684,20 @@ def test_settings_with_pipes_backticks_and_line_breaks_stay_one_cell_each(kind, 
         assert len(cells) == 2 and cells[0].strip() == f"`{key}`"
         code = re.fullmatch(r"(`+) ?(.*?) ?\1", cells[1].strip())
         assert code and code.group(2).replace("\\|", "|") == value.replace("\n", " ")
+
+
+@pytest.mark.parametrize("kind", sorted(ARTIFACT_KINDS))
+def test_evaluation_rows_and_title_stay_one_line_with_pipes_and_line_breaks(kind, tmp_path):
+    # heal names the perplexity's dataset after the validation file, and the title defaults to a directory name
+    import re
+
+    result = {"metric_type": "perplexity", "metric_value": 9.5, "dataset_name": "notes | v2\nheld.txt"}
+    result_split = {**result, "dataset_name": "wiki", "dataset_split": "test"}
+    write_model_card(tmp_path, kind, "org/base", model_name="my\nmodel", eval_results=[result, result_split])
+    lines = (tmp_path / "README.md").read_text().splitlines()
+    assert "# my model" in lines
+    rows = [line for line in lines if line.startswith("| perplexity")]
+    assert [re.split(r"(?<!\\)\|", row)[1:-1] for row in rows] == [
+        [" perplexity ", " notes \\| v2 held.txt ", " 9.5 "],
+        [" perplexity ", " wiki (test) ", " 9.5 "],
+    ]
