@@ -33,7 +33,7 @@ def print_json(obj) -> None:
     print(strict_json(obj))
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """An `ArgumentParser` whose errors are one line: argparse prints the whole usage (a dozen lines for
     `convert palu`) before the message. Subcommand parsers inherit the class through `add_subparsers`."""
 
@@ -50,7 +50,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from .speculative.cli import add_cli as add_index
     from .training.cli import add_cli as add_train
 
-    parser = _OneLineErrorParser(prog="hf-accel", description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(prog="hf-accel", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo(commands)
     add_eval(commands)  # `eval ppl` and `bench generate`

@@ -8,12 +8,13 @@ Example:
     python scripts/bench_care.py --kv-keep 0.75 0.5 0.25 0.125 --json
 """
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from hf_accel.cli import OneLineErrorParser, print_json
 
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # ../shared
@@ -22,7 +23,7 @@ DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysh
 def parse_args(argv=None):
     from hf_accel.compress.care import METHODS, CareConversionConfig
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default=DEFAULT_TEXT, help="text file: first half calibrates, second half evaluates")
     p.add_argument("--kv-keep", type=float, nargs="+", default=[0.75, 0.5, 0.25, 0.125])
@@ -67,7 +68,6 @@ def cached(path: str | None, settings: dict, make):
 
 
 def main(argv=None) -> int:
-    from hf_accel.cli import print_json
     from hf_accel.compress.care_bench import benchmark_care, calibrate_mixed, format_table, generated_text, split_text
     from hf_accel.loading import load_model_and_tokenizer
 

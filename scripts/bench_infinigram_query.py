@@ -7,13 +7,13 @@ suffix matches and frequent short ones both occur, as in real text. Prints the b
     python scripts/bench_infinigram_query.py --tokens 100000000 --out /tmp/synthetic_index [--json]
 """
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import numpy as np
 
+from hf_accel.cli import OneLineErrorParser
 from hf_accel.speculative.drafters.index import InfinigramIndex, build_index
 from hf_accel.speculative.drafters.infinigram import InfinigramConfig, InfinigramDrafter
 
@@ -35,7 +35,7 @@ def synthetic_documents(num_tokens: int, vocab: int = 49152, seed: int = 0, doc_
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=float, default=1e8)
     parser.add_argument("--out", required=True)
     parser.add_argument("--queries", type=int, default=300)

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from hf_accel.cli import print_json
+from hf_accel.cli import OneLineErrorParser, print_json
 from hf_accel.compress.care import METHODS as CARE_METHODS
 from hf_accel.eval.palu_quality import PaluBenchConfig, format_palu_table, run_palu_quality_benchmark
 from hf_accel.loading import load_model_and_tokenizer
@@ -27,7 +27,7 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 
 def parse_args(argv=None) -> argparse.Namespace:
     d = PaluBenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--text", default=str(SHAKESPEARE), help="text file: calibration 90 %%, evaluation 10 %%")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -12,12 +12,13 @@ import argparse
 import json
 import sys
 
+from hf_accel.cli import OneLineErrorParser
 from hf_accel.kernels.benchmark import PaluBenchConfig, format_report, run_palu_attention_benchmark
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     defaults = PaluBenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=list(defaults.seq_lens))
     parser.add_argument("--num-heads", type=int, default=defaults.num_heads)

@@ -14,11 +14,12 @@ Example:
     python scripts/heal_corpus.py --out runs/heal --teacher-samples 640
 """
 
-import argparse
 import json
 import sys
 import sysconfig
 from pathlib import Path
+
+from hf_accel.cli import OneLineErrorParser
 
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # ../shared
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
     from hf_accel.eval.prompts import load_prompts
     from hf_accel.loading import load_model_and_tokenizer
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default=DEFAULT_TEXT)
     p.add_argument("--out", required=True)

@@ -11,12 +11,13 @@ Example:
     python scripts/make_code_prompts.py --count 300
 """
 
-import argparse
 import ast
 import json
 import sys
 import sysconfig
 from pathlib import Path
+
+from hf_accel.cli import OneLineErrorParser
 
 
 OUT = Path(__file__).resolve().parents[1] / "hf_accel" / "data" / "prompts" / "code_build.jsonl"
@@ -47,7 +48,7 @@ def candidates() -> list[tuple[str, str, str]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, default=300)
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)

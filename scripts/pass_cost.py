@@ -8,7 +8,6 @@ Example:
     python scripts/pass_cost.py --json
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -16,13 +15,15 @@ import time
 
 import torch
 
+from hf_accel.cli import OneLineErrorParser
+
 
 def main(argv=None) -> int:
     from transformers import DynamicCache
 
     from hf_accel.loading import load_model_and_tokenizer
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--context", type=int, default=300)

@@ -13,13 +13,14 @@ Usage:
         --drafter ngram:hf_accel/data/indexes/smollm2-135m-code-build --json
 """
 
-import argparse
 import json
 import statistics
 import sys
 import time
 
 import torch
+
+from hf_accel.cli import OneLineErrorParser
 
 
 def main(argv=None) -> int:
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     from hf_accel.speculative import custom_generate, engine
     from hf_accel.speculative.drafters import build_drafter
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompts", default="chat_heldout_26")
     p.add_argument("--offset", type=int, default=0)

@@ -13,7 +13,6 @@ events, median of 50 runs, L2 flushed before each) at gs 1 and 4, 16K and 64K to
 rewriting the kernel module's source in a temporary file; needs a CUDA GPU and triton.
 """
 
-import argparse
 import importlib.util
 import json
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 import triton
 
+from hf_accel.cli import OneLineErrorParser
 from hf_accel.kernels import benchmark, triton_palu
 from hf_accel.kernels.reference import rope_key_scores
 
@@ -69,7 +69,7 @@ def launch(module, x, block_s, warps, stages):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of one line per row")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -6,14 +6,14 @@
         --grid '{"prior": [5, 10, 20, 40]}'
 
 Outputs of the first prompts build the index; the last `--eval-last` are decoded in simulation (their own outputs are
-not indexed). Prints mean accepted length and estimated speedup for a grid of settings.
+not indexed). Prints mean accepted length and estimated speedup for a grid of settings (with `--json`, one JSON document:
+the index's size and one row per setting).
 
 A cache can hold answers of several runs (another model, another length cap): the prompts' answers are those of
 `--model` and `--max-new-tokens` as `hf-accel index build` keyed them, and the other records indexed with
 `--index-other-records` are those of the same weights.
 """
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from hf_accel.cli import OneLineErrorParser, print_json
 from hf_accel.eval.prompts import load_prompts
 from hf_accel.loading import resolve_model
 from hf_accel.speculative.drafters.build import (
@@ -75,7 +76,7 @@ def parse_grid(text: str) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", required=True)
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--limit", type=int, default=None)
@@ -90,6 +91,7 @@ def main():
         help="also index the cache's records of other prompt sets (e.g. code_build's in the code-build index)",
     )
     parser.add_argument("--grid", default="{}", help="JSON dict of InfinigramConfig field -> list of values")
+    parser.add_argument("--json", action="store_true", help="print one JSON document at the end")
     args = parser.parse_args()
     try:
         grid = parse_grid(args.grid)
@@ -121,25 +123,27 @@ def main():
             )
         header, _ = build_index_from_documents(documents, tokenizer, tmp, ["simulation"])
         index = InfinigramIndex(tmp)
-        keys = list(grid)
-        print(f"index: {header.num_indexed_tokens} tokens from {len(build)} outputs; eval on {len(held)} outputs")
+        keys, rows = list(grid), []
+        summary = {"index_tokens": header.num_indexed_tokens, "index_outputs": len(build), "eval_outputs": len(held)}
+        if not args.json:
+            print(f"index: {header.num_indexed_tokens} tokens from {len(build)} outputs; eval on {len(held)} outputs")
         for values in itertools.product(*[grid[k] for k in keys]):
             overrides = dict(zip(keys, values))
             for use_index in json.loads(os.environ.get("SIM_INDEX", "[false, true]")):
                 drafter = InfinigramDrafter(index if use_index else None, config=InfinigramConfig(**overrides))
                 r = simulate_greedy(drafter, cases, max_depth=drafter.config.max_depth)
-                print(
-                    json.dumps(
-                        {
-                            "index": use_index,
-                            **overrides,
-                            "mean_accepted": round(r.mean_accepted, 3),
-                            "est_speedup": round(r.estimated_speedup, 3),
-                            "nodes_per_pass": round(r.draft_nodes / r.passes, 2),
-                        }
-                    ),
-                    flush=True,
-                )
+                row = {
+                    "index": use_index,
+                    **overrides,
+                    "mean_accepted": round(r.mean_accepted, 3),
+                    "est_speedup": round(r.estimated_speedup, 3),
+                    "nodes_per_pass": round(r.draft_nodes / r.passes, 2),
+                }
+                rows.append(row)
+                if not args.json:
+                    print(", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        if args.json:
+            print_json({**summary, "rows": rows})
 
 
 if __name__ == "__main__":
