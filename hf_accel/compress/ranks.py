@@ -93,8 +93,3 @@ def raw_sigma_gains(sigmas: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def relative_energy_gains(sigmas: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Per-matrix relative energy `σ²_{m,i} / Σ_j σ²_{m,j}`: the fraction of that matrix's output energy kept."""
     return [s.double() ** 2 / (s.double() ** 2).sum().clamp_min(1e-300) for s in sigmas]
-
-
-def rank_fraction(ranks: Sequence[int], caps: Sequence[int]) -> float:
-    """The kept fraction of the K+V cache width, `Σ r / Σ cap`."""
-    return sum(ranks) / sum(caps)

@@ -17,10 +17,6 @@ import math
 import torch
 
 
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
 def compute_hadamard_block_sizes(size: int) -> list[int]:
     """
     Power-of-two block sizes of the block-diagonal Hadamard rotation of `size` channels, largest first.

@@ -111,8 +111,3 @@ def select_cache_rows(cache, rows: torch.LongTensor) -> None:
         elif layer.keys is not None:
             layer.keys = layer.keys[rows]
             layer.values = layer.values[rows]
-
-
-def cache_length(cache) -> int:
-    """Number of positions (including masked holes) held by the cache."""
-    return cache.get_seq_length()
