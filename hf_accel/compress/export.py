@@ -18,6 +18,7 @@ import torch
 
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+_WINDOWS = os.name == "nt"
 
 
 def card_base_model(name: str) -> str:
@@ -235,9 +236,15 @@ def _scratch_owner(name: str, prefix: str) -> tuple[str, str]:
 
 def _process_alive(pid: str) -> bool:
     """Whether the process `pid` (from a staging directory's name: `.staging-<pid>@<host>-...`; not a number: none)
-    is running on this machine."""
+    is running on this machine. On Windows `os.kill(pid, 0)` is no probe: signal 0 is `CTRL_C_EVENT`, sent to the
+    console's processes (this one included), and a gone process raises `OSError` (WinError 87); psutil asks the
+    system instead."""
     if not pid.isdigit():
         return False
+    if _WINDOWS:
+        import psutil
+
+        return psutil.pid_exists(int(pid))
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:

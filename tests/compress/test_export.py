@@ -62,3 +62,28 @@ def test_a_checkpoint_set_aside_by_a_killed_swap_is_removed_by_the_next_conversi
         (folder / "model.safetensors").write_bytes(b"old")
     _write_checkpoint(tmp_path / "care")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["care", live.name])
+
+
+def test_on_windows_stale_scratch_is_found_without_signalling_any_process(tmp_path, monkeypatch):
+    """Windows has no signal 0: `os.kill(pid, 0)` sends CTRL_C_EVENT to the console's processes, and for a process
+    that is gone raises `OSError` (WinError 87), which failed every conversion beside a killed one's folder."""
+    import psutil
+
+    from hf_accel.compress import export
+
+    def windows_kill(pid, sig):
+        signalled.append((pid, sig))
+        raise OSError(22, "The parameter is incorrect")  # WinError 87, for a pid that is no console process group
+
+    signalled = []
+    monkeypatch.setattr(export, "_WINDOWS", True, raising=False)
+    monkeypatch.setattr(os, "kill", windows_kill)
+    monkeypatch.setattr(psutil, "pid_exists", lambda pid: pid in psutil.pids())  # the system's process list
+    host = socket.gethostname().replace("-", "_")
+    dead = tmp_path / f".care-old-999999999@{host}"
+    live = tmp_path / f".care-old-{os.getppid()}@{host}"
+    for folder in (dead, live):
+        folder.mkdir()
+    _write_checkpoint(tmp_path / "care")
+    assert signalled == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["care", live.name])
