@@ -27,7 +27,9 @@ class ModelNotFoundError(ValueError):
 
 
 def hf_accel_home() -> Path:
-    return Path(os.environ.get("HF_ACCEL_HOME", Path.home() / ".cache" / "hf_accel"))
+    """`$HF_ACCEL_HOME` (default `~/.cache/hf_accel`), `~` expanded as `HF_HOME`'s is: set where no shell expands it
+    (a `.env` file, a container's `ENV`, `os.environ`), it would name a folder `~` in the working directory."""
+    return Path(os.environ.get("HF_ACCEL_HOME", Path.home() / ".cache" / "hf_accel")).expanduser()
 
 
 def _gguf_path() -> Path:

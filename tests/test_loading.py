@@ -167,3 +167,14 @@ def test_the_default_model_is_converted_once_and_a_killed_conversions_folder_rem
     shutil.rmtree(models / "smollm2-135m")
     assert resolve_model("smollm2-135m") == str(models / "smollm2-135m")
     assert len(conversions) == 2 and not stale.exists()
+
+
+def test_hf_accel_home_expands_a_tilde_as_hf_home_does(tmp_path, monkeypatch):
+    """Set where no shell expands it (a `.env` file, a container's `ENV`), `~/...` named a folder `~` in whatever
+    directory the command ran from: the default model was converted again in each."""
+    from hf_accel.loading import hf_accel_home
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("HF_ACCEL_HOME", "~/accel")
+    monkeypatch.chdir(tmp_path)
+    assert hf_accel_home() == tmp_path / "accel"
