@@ -371,8 +371,8 @@ def copy_remote_code(model, output_dir: str | Path, source_dir: str | Path | Non
                 from .compress.palu import write_palu_kernels_file
 
                 write_palu_kernels_file(output_dir / path.name)
-            else:
-                shutil.copy(path, output_dir / path.name)
+            else:  # a new file's permissions: a read-only install's would make it read-only
+                shutil.copyfile(path, output_dir / path.name)
             copied.append(path.name)
     return copied
 

@@ -701,3 +701,31 @@ def test_evaluation_rows_and_title_stay_one_line_with_pipes_and_line_breaks(kind
         [" perplexity ", " notes \\| v2 held.txt ", " 9.5 "],
         [" perplexity ", " wiki (test) ", " 9.5 "],
     ]
+
+
+def test_remote_code_copied_from_a_read_only_install_is_writable_in_the_artifact(tmp_path, monkeypatch):
+    """A package installed read-only (a system or Nix store, files 0444) passed its modes on with the copy: the
+    artifact's code files could not be overwritten by a later save into it (`save_pretrained` writes them again)."""
+    import stat
+
+    from hf_accel.compress import export
+    from hf_accel.hub import copy_remote_code
+    from tests.conftest import make_tiny_llama
+
+    installed = tmp_path / "site-packages"
+    installed.mkdir()
+    (installed / "modeling_x.py").write_text("X = 1\n")
+    shutil.copy(export.MODELS_DIR / "modeling_care.py", installed / "modeling_care.py")
+    for file in installed.iterdir():
+        file.chmod(0o444)
+    model = make_tiny_llama()
+    model.config.auto_map = {"AutoModelForCausalLM": "modeling_x.X"}
+    out = tmp_path / "artifact"
+    out.mkdir()
+    assert copy_remote_code(model, out, installed) == ["modeling_x.py"]
+    monkeypatch.setattr(export, "MODELS_DIR", installed)
+    export.copy_remote_code(out, ["modeling_care.py"])
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("modeling_x.py", "modeling_care.py"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~umask, name

@@ -298,9 +298,11 @@ def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
 
 
 def copy_remote_code(out_dir: Path, names: list[str]) -> None:
-    """Copies `hf_accel/models/<name>` files (configuration/modeling code) next to the weights."""
+    """Copies `hf_accel/models/<name>` files (configuration/modeling code) next to the weights, as new files (the
+    umask's permissions, not those of a read-only install, which a later `save_pretrained` into it could not
+    overwrite)."""
     for name in names:
-        shutil.copy2(MODELS_DIR / name, Path(out_dir) / name)
+        shutil.copyfile(MODELS_DIR / name, Path(out_dir) / name)
 
 
 def write_json(path: Path, obj) -> None:
