@@ -17,6 +17,7 @@ import json
 import os
 import posixpath
 import re
+import shlex
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -725,8 +726,9 @@ def add_cli(commands) -> None:
 
 def _run_push(args) -> int:
     if args.to_cache is not None:
-        snapshot = populate_hub_cache(args.dir, args.repo_id, cache_dir=args.to_cache)
-        print(f"wrote {snapshot}; load with HF_HUB_CACHE={args.to_cache} HF_HUB_OFFLINE=1")
+        cache = Path(args.to_cache).expanduser().resolve()  # the setting printed works from any directory
+        snapshot = populate_hub_cache(args.dir, args.repo_id, cache_dir=cache)
+        print(f"wrote {snapshot}; load with HF_HUB_CACHE={shlex.quote(str(cache))} HF_HUB_OFFLINE=1")
         return 0
     url = push_to_hub(args.dir, args.repo_id, private=args.private, token=args.token, commit_message=args.message)
     print(f"pushed {args.dir} to {url}")

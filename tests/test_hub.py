@@ -729,3 +729,18 @@ def test_remote_code_copied_from_a_read_only_install_is_writable_in_the_artifact
     os.umask(umask)
     for name in ("modeling_x.py", "modeling_care.py"):
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~umask, name
+
+
+def test_push_to_cache_prints_a_setting_that_works_from_any_directory(tmp_path, monkeypatch, capsys):
+    """`--to-cache "my cache"` printed `HF_HUB_CACHE=my cache`: pasted into a shell it runs a command `cache`, and a
+    relative cache only works from the directory the push ran in."""
+    import shlex
+
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    write_model_card(artifact, "drafter-index", "smollm2-135m")
+    monkeypatch.chdir(tmp_path)
+    assert main(["push", "artifact", "--repo-id", "org/tiny", "--to-cache", "my cache"]) == 0
+    setting = shlex.split(capsys.readouterr().out.split("load with ", 1)[1])[0]
+    assert setting == f"HF_HUB_CACHE={tmp_path / 'my cache'}"
+    assert (tmp_path / "my cache" / "models--org--tiny").is_dir()
