@@ -49,6 +49,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize the GGUF file once and write a plain safetensors checkpoint to `out` (atomically)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .compress.export import give_usual_permissions
+
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; rebuild the same architecture without the quantizer.
@@ -63,6 +65,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        give_usual_permissions(tmp)  # a shared HF_ACCEL_HOME: other users read the same conversion
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

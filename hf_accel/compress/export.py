@@ -156,6 +156,17 @@ def replace_atomically(target: Path, write, *args) -> None:
         partial.unlink(missing_ok=True)
 
 
+def give_usual_permissions(path: Path) -> None:
+    """Gives `path`, and everything under it if it is a directory, the permissions that the umask gives new files
+    and directories. `mkdtemp` makes a folder private (0700), and safetensors 0.8 writes weights 0600 whatever the
+    umask (huggingface/safetensors#782): a checkpoint made in a shared folder was readable by its owner only."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for entry in [path, *(path.rglob("*") if path.is_dir() and not path.is_symlink() else ())]:
+        if not entry.is_symlink():
+            entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
+
+
 @contextmanager
 def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
     """Yields a temporary directory that becomes `out_dir` when the block succeeds (and is deleted if it fails).
@@ -174,11 +185,9 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
     for kind in ("tmp", "old"):
         _remove_dead_scratch(out.parent, f".{out.name}-{kind}-", host)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-tmp-{os.getpid()}@{host}-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the checkpoint gets the usual permissions
     try:
         yield tmp
+        give_usual_permissions(tmp)
         with _directory_lock(out.parent):
             old = None
             if out.exists():
@@ -277,6 +286,8 @@ def staged_files(out_dir: str | os.PathLike, last: tuple[str, ...] = ()):
     tmp = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}@{host}-", dir=out))
     try:
         yield tmp
+        for entry in tmp.iterdir():
+            give_usual_permissions(entry)
         with _directory_lock(out):  # two builds swapping at once would leave one's header beside the other's data
             for name in last:
                 (out / name).unlink(missing_ok=True)

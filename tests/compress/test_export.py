@@ -87,3 +87,25 @@ def test_on_windows_stale_scratch_is_found_without_signalling_any_process(tmp_pa
     _write_checkpoint(tmp_path / "care")
     assert signalled == []
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["care", live.name])
+
+
+@pytest.mark.parametrize("swap", ["atomic_output_dir", "staged_files"])
+def test_swapped_in_files_get_the_umask_s_permissions_not_private_ones(tmp_path, swap):
+    # safetensors 0.8 writes weights 0600 whatever the umask, and mkdtemp makes folders 0700: a checkpoint or an
+    # index made in a shared folder was readable by its owner only
+    import stat
+
+    from safetensors.torch import save_file
+
+    umask = os.umask(0o022)
+    try:
+        with (atomic_output_dir if swap == "atomic_output_dir" else staged_files)(tmp_path / "out") as tmp:
+            save_file({"w": __import__("torch").zeros(2)}, str(tmp / "model.safetensors"))
+            (tmp / "sub").mkdir(mode=0o700)
+            (tmp / "sub" / "a.json").write_text("{}")
+            (tmp / "sub" / "a.json").chmod(0o600)
+    finally:
+        os.umask(umask)
+    out = tmp_path / "out"
+    modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
+    assert modes == {".": 0o755, "model.safetensors": 0o644, "sub": 0o755, "sub/a.json": 0o644}
