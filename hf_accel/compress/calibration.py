@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
+
+from ..log import progress_bar
 
 
 @dataclass
@@ -189,7 +190,7 @@ def collect_kv_calibration(
     tokens = 0
     device = next(model.parameters()).device
     try:
-        for start in tqdm(range(0, len(input_ids), batch_size), desc="calibration", disable=not progress):
+        for start in progress_bar(range(0, len(input_ids), batch_size), progress, desc="calibration"):
             ids = input_ids[start : start + batch_size].to(device)
             mask = None if attention_mask is None else attention_mask[start : start + batch_size].to(device)
             mask_box[0] = mask
@@ -285,7 +286,7 @@ def generate_calibration_ids(
     """
     torch.manual_seed(seed)
     rows = []
-    for start in tqdm(range(0, num_samples, batch_size), desc="generating calibration text", disable=not progress):
+    for start in progress_bar(range(0, num_samples, batch_size), progress, desc="generating calibration text"):
         batch = [prompts[(start + i) % len(prompts)] for i in range(min(batch_size, num_samples - start))]
         enc, pad_id = _encode_prompts(tokenizer, batch)
         enc = enc.to(next(model.parameters()).device)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+from ..log import progress_bar
 from .calibration import KvCalibration, check_calibration_fits, collect_kv_calibration
 from .export import (
     atomic_output_dir,
@@ -118,7 +118,7 @@ def factorize_kv(
 ):
     """Full-rank factors `[(K factors, V factors)]` per layer for `method` (no truncation yet)."""
     factors = []
-    for idx, (w_k, w_v) in enumerate(tqdm(kv_weights(model), desc="factorize", unit="layer", disable=not progress)):
+    for idx, (w_k, w_v) in enumerate(progress_bar(kv_weights(model), progress, desc="factorize", unit="layer")):
         if method == "svd":
             pair = (factorize(w_k), factorize(w_v))
         elif method == "asvd":

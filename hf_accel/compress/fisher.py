@@ -15,7 +15,8 @@ import math
 from collections.abc import Sequence
 
 import torch
-from tqdm.auto import tqdm
+
+from ..log import progress_bar
 
 
 def _proportional_shares(scores: list[float], caps: list[int], floors: list[int], budget: int) -> list[float]:
@@ -145,7 +146,7 @@ def collect_fisher_scores(model, input_ids: torch.Tensor, progress: bool = True)
             p.requires_grad_(False)
         for w in weights:
             w.requires_grad_(True)
-        for row in tqdm(input_ids, desc="fisher", disable=not progress):
+        for row in progress_bar(input_ids, progress, desc="fisher"):
             ids = row[None].to(device)
             with torch.enable_grad():
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+from ..log import progress_bar
 from ..models.configuration_palu import KERNEL_BACKENDS
 from .calibration import (
     check_calibration_fits,
@@ -542,7 +542,7 @@ def _factorize_layers(model, calibration, conversion, layout: dict, reused: bool
     for the conversions that share it)."""
     common = dict(layout, alpha=conversion.alpha, lam_frac=conversion.lam_frac)
     full, sigmas = [], []
-    for idx, layer in enumerate(tqdm(model.model.layers, desc="factorize", unit="layer", disable=not progress)):
+    for idx, layer in enumerate(progress_bar(model.model.layers, progress, desc="factorize", unit="layer")):
         attn = layer.self_attn
         common["scales"] = _layer_scales(calibration, idx, conversion.alpha, conversion.lam_frac, cache=reused)
         weights = (attn.k_proj.weight.detach().T.cpu(), attn.v_proj.weight.detach().T.cpu())  # with the statistics

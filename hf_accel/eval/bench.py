@@ -19,9 +19,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 from ..loading import left_padded_batch
+from ..log import progress_bar
 from .prompts import BenchPrompt
 
 
@@ -138,7 +138,7 @@ def run_method(
     counter = _ForwardCounter(model)
     try:
         batches = _batches(prompts, step)
-        for batch in tqdm(batches, desc=method, unit="batch", leave=False):
+        for batch in progress_bar(batches, desc=method, unit="batch", leave=False):
             counter.calls = 0
             start = time.perf_counter()
             new_tokens = _generate(model, tokenizer, [p.text for p in batch], generate_kwargs, extra)

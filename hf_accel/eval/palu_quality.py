@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..log import progress_bar
 from .memory import measure_cache_bytes_per_token
 from .perplexity import compute_perplexity, perplexity_on_ids, split_windows
 
@@ -228,7 +229,7 @@ def run_palu_quality_benchmark(
         tqdm.write(json.dumps({"base": base, **timings}), file=sys.stderr)
     rows = []
     grid = [(g, r, k) for g in config.group_sizes for r in config.rank_methods for k in config.kv_keeps]
-    for group_size, ranks, kv_keep in tqdm(grid, desc="palu configs", disable=not progress):
+    for group_size, ranks, kv_keep in progress_bar(grid, progress, desc="palu configs"):
         for hadamard in (True, False):
             bits_list = ([0] if hadamard else []) + list(config.bits if hadamard else config.no_hadamard_bits)
             if not bits_list:
@@ -266,7 +267,7 @@ def run_palu_quality_benchmark(
                 rows.append(row)
                 if progress:
                     tqdm.write(json.dumps(row), file=sys.stderr)
-    for method in tqdm(config.care_methods, desc="care configs", disable=not progress):
+    for method in progress_bar(config.care_methods, progress, desc="care configs"):
         for kv_keep in config.kv_keeps:
             care = convert_care(
                 model, tokenizer, kv_keep=kv_keep, method=method, calibration=calibration, progress=False

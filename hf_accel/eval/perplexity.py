@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+
+from ..log import progress_bar
 
 
 def split_windows(input_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
@@ -91,7 +92,7 @@ def compute_perplexity(
     full = [w for w in windows if w.numel() == seq_len]
     groups = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
     groups += [[w] for w in windows if w.numel() != seq_len]
-    for group in tqdm(groups, desc="perplexity", unit="batch", disable=not progress):
+    for group in progress_bar(groups, progress, desc="perplexity", unit="batch"):
         batch = torch.stack(group).to(device)  # [b, S]
         logits = model(input_ids=batch, use_cache=False).logits.float()  # [b, S, V]
         for row_logits, row_ids in zip(logits, batch):

@@ -24,9 +24,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ...loading import left_padded_batch
+from ...log import progress_bar
 from .index import IndexHeader, build_index, tokenizer_fingerprint
 
 
@@ -213,7 +213,7 @@ def self_distill(
         extra = {"custom_generate": custom_generate, "drafter": InfinigramDrafter(None)}
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
-    with tqdm(total=len(todo), desc="self-distill", unit="prompt") as bar:
+    with progress_bar(total=len(todo), desc="self-distill", unit="prompt") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             inputs, pad_token_id = left_padded_batch(tokenizer, [p.text for _, p in batch], add_special_tokens=False)
