@@ -1,4 +1,4 @@
-"""Progress bars that follow the switches a transformers user already sets."""
+"""Progress bars and log messages that follow the switches a transformers user already sets."""
 
 from transformers.utils import logging
 
@@ -10,3 +10,11 @@ def progress_bar(iterable=None, progress: bool = True, **kwargs):
     if not progress:
         kwargs["disable"] = True
     return logging.tqdm(iterable, **kwargs)
+
+
+def get_logger(name: str):
+    """The logger of hf-accel's module `name`, under transformers' library logger, so that its verbosity
+    (`transformers.logging.set_verbosity_*`, `TRANSFORMERS_VERBOSITY`, a Trainer's `log_level`) and handler apply to
+    hf-accel's messages as to transformers' own. `transformers.utils.logging.get_logger(__name__)` names a logger
+    outside that tree: its warnings ignored the verbosity and its info messages never showed."""
+    return logging.get_logger(f"transformers.{name}")

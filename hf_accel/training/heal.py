@@ -26,11 +26,11 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils import logging
 
 from ..cli import strict_json
 from ..hub import copy_remote_code, is_hf_accel_card, published_name
 from ..loading import to_checkpoint_dtype
+from ..log import get_logger
 from .data import PackedBlockCollator, load_text_dataset, tokenize_and_pack
 from .losses import compute_healing_loss
 from .monitor import (
@@ -42,7 +42,7 @@ from .monitor import (
 )
 
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 HISTORY_FILE = "ppl_history.json"
 PLOT_FILE = "ppl_curve.png"

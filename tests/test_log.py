@@ -1,5 +1,6 @@
-"""Progress bars follow the switches transformers users set: `transformers.utils.logging.disable_progress_bar()`,
-`HF_HUB_DISABLE_PROGRESS_BARS` and `TQDM_DISABLE`, every bar alike."""
+"""Progress bars and log messages follow the switches transformers users set: every bar obeys
+`transformers.utils.logging.disable_progress_bar()`, `HF_HUB_DISABLE_PROGRESS_BARS` and `TQDM_DISABLE`, every message
+transformers' verbosity."""
 
 import os
 import subprocess
@@ -68,3 +69,30 @@ def test_environment_switches_hide_every_bar(tmp_path, switch):
     done = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "%|" not in done.stderr, done.stderr
+
+
+def test_log_messages_follow_transformers_verbosity():
+    """hf-accel's warnings obey `set_verbosity_error()` (and a Trainer's `log_level`), its info messages show under
+    `set_verbosity_info()`, as transformers' own do."""
+    from types import SimpleNamespace
+
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_accel.training import heal
+
+    before = hf_logging.get_verbosity()
+    not_a_hub_id = SimpleNamespace(teacher_model_name_or_path="/a/local/dir", model_name_or_path="/a/local/dir")
+    try:
+        with CaptureLogger(heal.logger) as shown:
+            heal._write_card(not_a_hub_id, {}, {})  # warns: no card for a base model that is not a Hub id
+        assert "no model card written" in shown.out
+        hf_logging.set_verbosity_error()
+        with CaptureLogger(heal.logger) as hidden:
+            heal._write_card(not_a_hub_id, {}, {})
+        assert hidden.out == ""
+        hf_logging.set_verbosity_info()
+        with CaptureLogger(heal.logger) as info:
+            heal.logger.info("LoRA on 2 linear layers")
+        assert "LoRA on 2 linear layers" in info.out
+    finally:
+        hf_logging.set_verbosity(before)
