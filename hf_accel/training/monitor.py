@@ -21,6 +21,10 @@ from transformers.trainer_utils import SaveStrategy
 from ..cli import strict_json
 from ..compress.export import replace_atomically
 from ..eval.perplexity import compute_perplexity
+from ..log import get_logger
+
+
+logger = get_logger(__name__)
 
 
 def read_history(path: str | Path) -> dict:
@@ -144,7 +148,7 @@ class PerplexityCallback(TrainerCallback):
             return
         previous = read_history(self.history_file) if self.resume else None
         if previous is not None and not same_measurement(previous.get("validation"), self.history["validation"]):
-            tqdm.write(f"{self.history_file}: measured on other validation settings; the curve starts over")
+            logger.warning(f"{self.history_file}: measured on other validation settings; the curve starts over")
         elif previous is not None:  # a resumed run keeps the points measured before its checkpoint
             self.history["points"] = [p for p in previous["points"] if p["step"] <= state.global_step]
         if not self._evaluated(state.global_step):

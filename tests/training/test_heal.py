@@ -587,6 +587,32 @@ def test_a_nan_perplexity_is_written_as_null_in_the_history_file(tmp_path):
     plot_perplexity_curve(history, tmp_path / "ppl_curve.png")  # a resumed run plots the curve it read back
 
 
+def test_a_history_of_other_settings_is_a_warning_on_the_logger_not_stdout(tmp_path, capsys):
+    # it was written to stdout (tqdm.write), where `train heal --json` and a library caller's own output go, and no
+    # verbosity could hide it
+    from types import SimpleNamespace
+
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_accel.log import get_logger
+    from hf_accel.training import monitor
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    history_file = tmp_path / "ppl_history.json"
+    state = SimpleNamespace(is_world_process_zero=True, global_step=0, num_input_tokens_seen=0)
+    model = make_tiny_llama(vocab_size=VOCAB_SIZE)
+    monitor.PerplexityCallback(
+        make_char_tokenizer(), HELD_OUT, 1, history_file, seq_len=16, max_tokens=64
+    ).on_train_begin(None, state, None, model=model)
+    other = monitor.PerplexityCallback(make_char_tokenizer(), HELD_OUT, 1, history_file, seq_len=8, resume=True)
+    capsys.readouterr()
+    with CaptureLogger(get_logger(monitor.__name__)) as logged:
+        other.on_train_begin(None, state, None, model=model)
+    assert "the curve starts over" in logged.out
+    assert "the curve starts over" not in capsys.readouterr().out
+
+
 def _merged_lora_weights(result):
     return {k: v for k, v in result.model.state_dict().items() if ".self_attn." in k}
 
