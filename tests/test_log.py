@@ -96,3 +96,12 @@ def test_log_messages_follow_transformers_verbosity():
         assert "LoRA on 2 linear layers" in info.out
     finally:
         hf_logging.set_verbosity(before)
+
+
+def test_index_build_shows_the_documents_it_has_indexed(tmp_path, capsys):
+    """Tokenizing a dataset as it streams into the index is an index build's long part: it had no bar at all."""
+    from hf_accel.speculative.drafters.index import build_index
+
+    documents = ([3, 7, i % 50] for i in range(5))  # a generator, as the CLI's text and dataset sources are
+    build_index(documents, tmp_path / "idx", "tiny", "hash", 100)
+    assert "indexing: 5doc" in capsys.readouterr().err

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...log import progress_bar
+
 
 INDEX_FORMAT_VERSION = 1
 SEPARATOR = np.uint32(0xFFFFFFFF)
@@ -82,7 +84,8 @@ def build_index(
     """Writes an index over token-id documents.
 
     The documents are consumed once, as they come: each one's ids go straight to the staged `tokens.u32`, so a
-    generator of documents is never held whole; the suffix array is then built from that file.
+    generator of documents is never held whole; the suffix array is then built from that file. A progress bar counts
+    the documents (a generator that tokenizes a dataset as it goes makes that the long part).
 
     Args:
         documents (`Iterable[Sequence[int]]`): token ids per document (responses, files, ...).
@@ -98,6 +101,7 @@ def build_index(
     # the old header goes first and the new one last: an interrupted rebuild (or a bad document found half way)
     # does not load, rather than pairing new tokens with an old suffix array
     with staged_files(out_dir, last=("header.json",)) as tmp:
+        documents = progress_bar(documents, desc="indexing", unit="doc")
         num_tokens, num_documents = write_token_stream(documents, tmp / "tokens.u32", vocab_size)
         sa_dtype = "int32" if num_tokens < 2**31 else "int64"
         header = IndexHeader(
