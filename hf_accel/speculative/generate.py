@@ -16,6 +16,7 @@ in its signature (here `drafter`). It does *not* forward `streamer` to a callabl
 this function finds the streamer of the enclosing `generate` call itself; see [`_find_streamer`].
 """
 
+import copy
 import functools
 import inspect
 import threading
@@ -23,9 +24,14 @@ import time
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.logits_process import SynthIDTextWatermarkLogitsProcessor
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    SynthIDTextWatermarkLogitsProcessor,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMode
 
+from .acceptance import position_gumbel_noise
 from .engine import (
     DraftRequest,
     SpeculativeEngine,
@@ -334,7 +340,12 @@ def assisted_generate(
     model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, synced_gpus=False,
     streamer=None, drafter=None, **model_kwargs,
 ):  # fmt: skip
-    """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`])."""
+    """Runs transformers' own assisted-generation loop with a chain drafter (via [`DrafterCandidateGenerator`]).
+
+    Sampling draws its randomness per output position, as hf-accel's own loop does ([`_PositionSampling`]): a seeded
+    call gives the same text whatever the drafter proposed (its drafts' lengths follow measured pass times), the text
+    `custom_generate` gives with that seed. With `output_scores`, a sampled call's scores are the log-probabilities
+    plus that position's Gumbel noise."""
     _validate_call("assisted_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
     if getattr(drafter, "requires_hidden_states", ()):  # CP heads, SpecFormer: their `update` would get none
         raise ValueError(
@@ -357,6 +368,14 @@ def assisted_generate(
     candidate_generator = DrafterCandidateGenerator(
         drafter, generation_config, input_ids.shape[1], input_vocab_size(model), draft_position_limit(model)
     )
+    if generation_config.do_sample:
+        # transformers samples every candidate position of a pass at once, so the randomness a pass takes from torch's
+        # generator depends on the draft's length: sample per position instead, by a greedy pick of the noised scores
+        prompt_mask = model_kwargs.get("attention_mask")
+        padding = 0 if prompt_mask is None else int((prompt_mask[0] == 0).sum())
+        logits_processor = LogitsProcessorList([*(logits_processor or []), _PositionSampling(padding)])
+        generation_config = copy.copy(generation_config)
+        generation_config.do_sample = False
     # `_assisted_decoding` builds its generator with `_get_candidate_generator`; shadow that method on this instance
     # while calls are in flight (transformers 5.23 has no public hook to pass a CandidateGenerator in), each thread
     # getting its own call's generator
@@ -376,6 +395,22 @@ def assisted_generate(
             _calls_in_flight[id(model)] -= 1
             if not _calls_in_flight[id(model)]:
                 del _calls_in_flight[id(model)], model._get_candidate_generator
+
+
+class _PositionSampling(LogitsProcessor):
+    """The last processor of a sampled [`assisted_generate`] call, whose loop then picks greedily: the scores become
+    `log_softmax(scores)` plus Gumbel noise keyed by a seed drawn from torch's generator and the output position
+    ([`position_gumbel_noise`], row 0, position counted without the prompt's `padding`), so the argmax is the sample
+    hf-accel's engine draws there, whatever the draft."""
+
+    def __init__(self, padding: int = 0):
+        self.seed = int(torch.randint(2**31, ()))  # as the engine draws it
+        self.padding = padding
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        position = input_ids.shape[1] - self.padding
+        noise = position_gumbel_noise(self.seed, [0] * len(scores), [position] * len(scores), scores.shape[-1])
+        return torch.log_softmax(scores.float(), dim=-1) + noise.to(scores.device)
 
 
 _assisted_call = threading.local()  # `.generator`: the candidate generator of this thread's `assisted_generate`

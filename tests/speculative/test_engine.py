@@ -237,6 +237,28 @@ def test_seeded_sampled_text_does_not_depend_on_the_draft_trees(tiny_llama):
         assert out.speculative_stats.mean_accepted > 1.5  # the drafts were used
 
 
+@pytest.mark.parametrize("pad", [0, 3])
+def test_seeded_sampled_text_of_the_assisted_loop_does_not_depend_on_the_drafts(tiny_llama, pad):
+    """transformers' assisted loop sampled every candidate position from torch's generator at once, so the randomness a
+    pass used depended on how long the draft was, which the ngram drafter sizes from measured pass times: the same seed
+    gave another text on most runs. It now samples per output position, as hf-accel's loop does: the same text."""
+    input_ids = torch.tensor([[0] * pad + [5, 6, 7, 8] * 3 + [5, 6]])
+    kwargs = {"input_ids": input_ids, "attention_mask": (input_ids != 0).long(), "max_new_tokens": 24,
+              "do_sample": True, "temperature": 0.9}  # fmt: skip
+    reference = ReferenceDrafter(tiny_llama.generate(input_ids, max_new_tokens=24), corrupt_every=0)
+
+    class NoDraft:
+        def propose(self, request):
+            return None
+
+    torch.manual_seed(11)
+    expected = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=NoDraft())
+    for drafter in (NoDraft(), ReferenceDrafter(expected, depth=3), ReferenceDrafter(expected, depth=6), reference):
+        torch.manual_seed(11)
+        out = tiny_llama.generate(**kwargs, custom_generate=assisted_generate, drafter=drafter)
+        assert torch.equal(out, expected)
+
+
 def test_streamer_receives_exactly_the_output(tiny_llama):
     class Collect:
         def __init__(self):
