@@ -465,7 +465,9 @@ def save_care_model(result: CareResult, tokenizer, out_dir, base_model: str | No
         settings["calibration"] = ", ".join(f"{k} {v}" for k, v in (calibration or {"none": "(plain SVD)"}).items())
         card = {"settings": settings, "kv_bytes_per_token": kv_cache_bytes_per_token(model, 2)}  # also for the card
         card["base_kv_bytes_per_token"] = 2 * width * len(result.k_ranks) * 2  # of a healed model ([`heal`])
-        write_json(tmp / "care_ranks.json", dict(summary, base_model=base_model, calibration=calibration, card=card))
+        # how long the conversion took is printed, not published: two conversions of one model give the same files
+        record = {k: v for k, v in summary.items() if not k.endswith("_seconds")}
+        write_json(tmp / "care_ranks.json", dict(record, base_model=base_model, calibration=calibration, card=card))
         if base_model is None:
             model.save_pretrained(tmp)
             if tokenizer is not None:

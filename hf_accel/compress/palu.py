@@ -702,7 +702,8 @@ def save_palu(
             settings["window_bytes_per_sequence"] = f"{info['window_bytes_per_sequence']} ({dtype})"
         card = {"settings": settings, "kv_bytes_per_token": info["cache_bytes_per_token"]}  # also for the card
         card["base_kv_bytes_per_token"] = info["base_cache_bytes_per_token"]  # of a healed model ([`heal`])
-        record = json.dumps(dict(info, card=card), indent=1, default=str)
+        # the timings are printed, not published: two conversions of one model give the same files
+        record = json.dumps(dict({k: v for k, v in info.items() if k != "timings"}, card=card), indent=1, default=str)
         (tmp / "palu_ranks.json").write_text(record, encoding="utf-8")
         if base_model is None:
             palu_model.save_pretrained(tmp)  # with its remote code and a self-contained `palu_kernels.py`

@@ -551,3 +551,21 @@ def test_bench_care_json_is_the_only_thing_on_stdout(tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     report = json.loads(out)
     assert out.count("\n") == 1 and [row["method"] for row in report["results"]] == ["care"]
+
+
+def test_a_checkpoint_does_not_depend_on_how_long_its_conversion_took(tmp_path):
+    """`care_ranks.json` is published with the checkpoint: it held the calibration and factorization seconds, so two
+    conversions of one model with one calibration gave checkpoints that differ (and another Hub commit)."""
+    import dataclasses
+
+    model = make_tiny("llama")
+    result = run_care_conversion(
+        model, None, CareConversionConfig(kv_keep=0.5, method="care-u"), tiny_calibration(model)
+    )
+    slower = dataclasses.replace(result, calibration_seconds=12.5, factorization_seconds=3.25)
+    for name, converted in (("a", result), ("b", slower)):
+        save_care_model(converted, None, tmp_path / name / "care", "org/tiny")
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    for file in files:
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file

@@ -552,3 +552,18 @@ def test_statistics_and_full_factors_are_freed_before_the_converted_model_is_bui
     monkeypatch.setattr(palu_module, "build_palu_model", counting_build)
     convert_palu(model, tokenizer, kv_keep=0.5, group_size=2, ranks=ranks, calibration_text=CALIB_TEXT, **FAST)
     assert made and alive == [0]
+
+
+def test_a_checkpoint_does_not_depend_on_how_long_its_conversion_took(tmp_path, model, tokenizer):
+    """`palu_ranks.json` is published with the checkpoint: it held the conversion's timings, so two conversions of one
+    model with one calibration gave checkpoints that differ (and another Hub commit)."""
+    from hf_accel.compress.palu import save_palu
+
+    palu, info = convert_palu(model, tokenizer, calibration_text=CALIB_TEXT, **FAST)
+    slower = dict(info, timings={name: seconds + 1.5 for name, seconds in info["timings"].items()})
+    for name, record in (("a", info), ("b", slower)):
+        save_palu(palu, tokenizer, tmp_path / name / "palu", record, base_model="org/tiny")
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    for file in files:
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
