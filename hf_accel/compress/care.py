@@ -316,6 +316,8 @@ def prepare_calibration(
         calib (`str`, *optional*, defaults to `"generated"`): `"generated"` (sampled from the model itself), a text
             file path, or `hf:<dataset>[:<config>]`.
         num_samples, seq_len (`int`): calibration windows × tokens (spec defaults 256 × 32).
+        seed (`int`, *optional*, defaults to 0): which windows of a text are drawn, or the seed of the model's
+            samples (`"generated"`); recorded in the checkpoint's card and `care_ranks.json`.
         with_output_grads (`bool`, *optional*, defaults to `True`): also collect loss-gradient moments (needed by the
             default method `care`).
     """
@@ -326,7 +328,10 @@ def prepare_calibration(
     ids = load_calibration_ids(model, tokenizer, calib, num_samples, seq_len, seed=seed, progress=progress)
     calibration = collect_kv_calibration(model, ids, None, batch_size, with_output_grads, progress)
     # the card and care_ranks.json are published, the machine's paths are not
-    calibration.meta.update(source=published_calibration_source(calib), num_samples=num_samples, seq_len=seq_len)
+    # with the seed, which picked the windows of a text or the model's samples: what it takes to calibrate again
+    calibration.meta.update(
+        source=published_calibration_source(calib), num_samples=num_samples, seq_len=seq_len, seed=seed
+    )
     return calibration
 
 

@@ -32,7 +32,9 @@ def _add_care(converters) -> None:
     care.add_argument("--calib-seq-len", type=int, default=32, help="tokens per sequence (spec default 32)")
     care.add_argument("--alpha", type=float, default=0.05, help="covariance shrinkage weight α")
     care.add_argument("--absorb-value", action="store_true", help="fold the value up-projection into o_proj")
-    care.add_argument("--seed", type=int, default=0)
+    care.add_argument(
+        "--seed", type=int, default=0, help="calibration seed: the model's samples, or which windows of a text"
+    )
     care.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
     care.add_argument("--out", required=True, help="output directory (written atomically)")
     care.add_argument("--overwrite", action="store_true", help="replace an earlier checkpoint in --out")

@@ -569,3 +569,23 @@ def test_a_checkpoint_does_not_depend_on_how_long_its_conversion_took(tmp_path):
     assert files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
     for file in files:
         assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
+
+
+def test_the_calibration_seed_is_part_of_the_published_record(tmp_path):
+    """`--seed` picks the calibration windows of a text (and the model's samples with `generated`): a card and
+    `care_ranks.json` that name the source and sizes but not the seed do not say how to make the checkpoint again."""
+    from hf_accel.compress.care import prepare_calibration
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"line {i} of the calibration text.\n" for i in range(200)))
+    model, tokenizer = make_tiny("llama", vocab_size=128), make_char_tokenizer()
+    config = CareConversionConfig(kv_keep=0.5, method="care-u")
+    calibrations = [
+        prepare_calibration(model, tokenizer, str(text), 4, 16, False, seed=seed, progress=False) for seed in (0, 7)
+    ]
+    assert not torch.equal(calibrations[0].moments[0], calibrations[1].moments[0])  # other windows
+    result = run_care_conversion(model, None, config, calibrations[1], False)
+    save_care_model(result, None, tmp_path / "out", "org/tiny")
+    assert json.loads((tmp_path / "out" / "care_ranks.json").read_text())["calibration"]["seed"] == 7
+    assert "seed 7" in (tmp_path / "out" / "README.md").read_text()
