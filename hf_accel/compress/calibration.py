@@ -284,24 +284,28 @@ def generate_calibration_ids(
         `torch.LongTensor` `[num_samples, seq_len]`: the generated tokens only (the prompt is not part of the
         calibration). `min_new_tokens = seq_len` holds back the end of sequence, so every token is real text.
     """
-    torch.manual_seed(seed)
-    rows = []
-    for start in progress_bar(range(0, num_samples, batch_size), progress, desc="generating calibration text"):
-        batch = [prompts[(start + i) % len(prompts)] for i in range(min(batch_size, num_samples - start))]
-        enc, pad_id = _encode_prompts(tokenizer, batch)
-        enc = enc.to(next(model.parameters()).device)
-        with torch.no_grad():
-            out = model.generate(
-                **enc,
-                do_sample=True,
-                temperature=1.0,
-                top_p=0.95,
-                max_new_tokens=seq_len,
-                min_new_tokens=seq_len,
-                pad_token_id=pad_id,
-            )
-        new = out[:, enc["input_ids"].shape[1] :].cpu()  # [b, seq_len]
-        rows.append(new)
+    device = next(model.parameters()).device
+    # seeded on a copy of torch's random state (`manual_seed` seeds every GPU's too): the caller's own sampling after
+    # a conversion is not reseeded
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        torch.manual_seed(seed)
+        rows = []
+        for start in progress_bar(range(0, num_samples, batch_size), progress, desc="generating calibration text"):
+            batch = [prompts[(start + i) % len(prompts)] for i in range(min(batch_size, num_samples - start))]
+            enc, pad_id = _encode_prompts(tokenizer, batch)
+            enc = enc.to(device)
+            with torch.no_grad():
+                out = model.generate(
+                    **enc,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_p=0.95,
+                    max_new_tokens=seq_len,
+                    min_new_tokens=seq_len,
+                    pad_token_id=pad_id,
+                )
+            new = out[:, enc["input_ids"].shape[1] :].cpu()  # [b, seq_len]
+            rows.append(new)
     return torch.cat(rows)
 
 

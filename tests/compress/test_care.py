@@ -443,6 +443,22 @@ def test_generated_calibration_with_a_tokenizer_without_a_pad_token():
     assert tokenizer.pad_token is None and tokenizer.padding_side == "right"
 
 
+def test_generated_calibration_is_seeded_without_reseeding_the_caller():
+    # it seeded torch's global generator: the caller's sampling after a conversion followed the calibration seed
+    from hf_accel.compress.calibration import generate_calibration_ids
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    model, tokenizer = make_tiny("llama", vocab_size=128), make_char_tokenizer()
+    torch.manual_seed(123)
+    first = generate_calibration_ids(model, tokenizer, 2, 6, seed=5, progress=False)
+    after = torch.rand(4)
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    again = generate_calibration_ids(model, tokenizer, 2, 6, seed=5, progress=False)
+    assert torch.equal(after, expected) and torch.equal(first, again)
+
+
 def _factors(sigma):
     # full-rank factors of a width-4 projection with singular values `sigma` (only the shapes and σ matter here)
     return LowRankFactors(down=torch.zeros(8, 4), up=torch.zeros(4, 4), sigma=torch.tensor(sigma))
