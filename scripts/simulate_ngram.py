@@ -24,7 +24,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from hf_accel.cli import OneLineErrorParser, print_json
-from hf_accel.eval.prompts import load_prompts
+from hf_accel.eval.prompts import adds_special_tokens, load_prompts
 from hf_accel.loading import resolve_model
 from hf_accel.speculative.drafters.build import (
     _cache_key,
@@ -37,10 +37,12 @@ from hf_accel.speculative.drafters.infinigram import InfinigramConfig, Infinigra
 from hf_accel.speculative.drafters.simulate import simulate_greedy
 
 
-def select_records(by_key: dict[str, dict], prompts: dict, model: str, max_new_tokens: int) -> tuple[list, list]:
+def select_records(
+    by_key: dict[str, dict], prompts: dict, model: str, max_new_tokens: int, tokenizer
+) -> tuple[list, list]:
     """`(answers, others)`: of the cache's records by key, those answering `prompts` (question id -> prompt, in their
     order) under `model` and `max_new_tokens`, and the records of other prompts written by the same weights."""
-    keys = [_cache_key(model, prompt.text, max_new_tokens) for prompt in prompts.values()]
+    keys = [_cache_key(model, p.text, max_new_tokens, adds_special_tokens(tokenizer, p)) for p in prompts.values()]
     answers = [by_key[k] for k in keys if k in by_key]
     if not answers:
         raise SystemExit(
@@ -50,6 +52,10 @@ def select_records(by_key: dict[str, dict], prompts: dict, model: str, max_new_t
     weights, asked = {r.get("model") for r in answers}, set(keys)
     others = [r for r in by_key.values() if r["key"] not in asked and r.get("model") in weights]
     return answers, [r for r in others if r["question_id"] not in prompts]
+
+
+def _prompt_ids(tokenizer, prompt) -> list[int]:
+    return tokenizer(prompt.text, add_special_tokens=not prompt.chat)["input_ids"]
 
 
 def read_records(cache: Path) -> dict[str, dict]:
@@ -100,16 +106,15 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     prompts = {p.question_id: p for p in load_prompts(args.prompts, tokenizer, args.limit, args.offset)}
     records = read_records(Path(args.cache))
-    records, others = select_records(records, prompts, args.model, args.max_new_tokens)
+    records, others = select_records(records, prompts, args.model, args.max_new_tokens, tokenizer)
     others = [r["tokens"] for r in others]
     if not 1 <= args.eval_last <= len(records):
         parser.error(
             f"--eval-last must be in [1, {len(records)}]: the cache has {len(records)} outputs of these prompts"
         )
     build, held = records[: -args.eval_last], records[-args.eval_last :]
-    cases = [
-        (tokenizer(prompts[r["question_id"]].text, add_special_tokens=False)["input_ids"], r["tokens"]) for r in held
-    ]
+    # each prompt as `self_distill` fed it (its BOS, if any): the drafter's context at the answer's first token
+    cases = [(_prompt_ids(tokenizer, prompts[r["question_id"]]), r["tokens"]) for r in held]
     with tempfile.TemporaryDirectory() as tmp:
         documents = [r["tokens"] for r in build] + (others if args.index_other_records else [])
         if args.extra_docs:

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..loading import left_padded_batch
 from ..log import progress_bar
-from .prompts import BenchPrompt
+from .prompts import BenchPrompt, encode_prompts
 
 
 @dataclass
@@ -133,7 +132,7 @@ def run_method(
         run.note = f"{method} supports batch 1 only; it ran row by row"
     step = batch_size if batched else 1
     eos, pad = _eos_ids(model), tokenizer.pad_token_id
-    _generate(model, tokenizer, [prompts[0].text], {**generate_kwargs, "max_new_tokens": 8}, extra)  # warm-up
+    _generate(model, tokenizer, prompts[:1], {**generate_kwargs, "max_new_tokens": 8}, extra)  # warm-up
     torch.manual_seed(seed)
     counter = _ForwardCounter(model)
     try:
@@ -141,7 +140,7 @@ def run_method(
         for batch in progress_bar(batches, desc=method, unit="batch", leave=False):
             counter.calls = 0
             start = time.perf_counter()
-            new_tokens = _generate(model, tokenizer, [p.text for p in batch], generate_kwargs, extra)
+            new_tokens = _generate(model, tokenizer, batch, generate_kwargs, extra)
             seconds = time.perf_counter() - start
             rows = [_trim(row, eos, pad) for row in new_tokens]
             for p, row in zip(batch, rows):
@@ -171,8 +170,8 @@ def _acceptance(method: str, extra: dict, rows: list[list[int]], target_calls: i
     return after_prefill, max(target_calls - 1, 0)
 
 
-def _generate(model, tokenizer, texts: list[str], generate_kwargs: dict, extra: dict) -> torch.Tensor:
-    inputs, pad_token_id = left_padded_batch(tokenizer, texts, add_special_tokens=False)
+def _generate(model, tokenizer, prompts: list[BenchPrompt], generate_kwargs: dict, extra: dict) -> torch.Tensor:
+    inputs, pad_token_id = encode_prompts(tokenizer, prompts)
     out = model.generate(**inputs.to(model.device), **generate_kwargs, **extra, pad_token_id=pad_token_id)
     return out[:, inputs["input_ids"].shape[1] :]
 

@@ -3,6 +3,10 @@
 A Spec-Bench record is `{"question_id": ..., "category": "...", "turns": ["first user message", ...]}`; only the
 first turn is used and it is rendered with the tokenizer's chat template when there is one. A HumanEval-style record
 has a `prompt` field (and `task_id`); it is used as raw text to complete, category `humaneval`.
+
+[`encode_prompts`] tokenizes them as transformers' text-generation pipeline does: chat-templated text without the
+tokenizer's special tokens (the template writes its BOS), raw text with them (Llama's and Mistral's BOS; GPT-2's and
+SmolLM's tokenizers add none).
 """
 
 import gzip
@@ -20,6 +24,7 @@ class BenchPrompt:
     question_id: str
     category: str
     text: str  # the rendered prompt the model continues
+    chat: bool = False  # rendered with the chat template, which writes the special tokens (BOS) itself
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -70,7 +75,8 @@ def _render(record: dict, where: str, tokenizer) -> BenchPrompt:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
             text = turns[0]
-        return BenchPrompt(str(record.get("question_id", where)), str(record.get("category", "default")), text)
+        chat = bool(getattr(tokenizer, "chat_template", None))
+        return BenchPrompt(str(record.get("question_id", where)), str(record.get("category", "default")), text, chat)
     if isinstance(record.get("prompt"), str) and record["prompt"].strip():
         return BenchPrompt(str(record.get("task_id", record.get("question_id", where))), HUMANEVAL, record["prompt"])
     raise ValueError(f"{where}: a prompt record needs `turns` (Spec-Bench format) or `prompt` (HumanEval format)")
@@ -105,6 +111,37 @@ def load_prompts(source: str, tokenizer=None, limit: int | None = None, offset: 
     prompts = [_render(r, f"{path.name}:{offset + i + 1}", tokenizer) for i, r in enumerate(selected)]
     _check_unique_ids(prompts, path)
     return prompts
+
+
+def adds_special_tokens(tokenizer, prompt: BenchPrompt) -> bool:
+    """Whether [`encode_prompts`] gives `prompt` the tokenizer's special tokens besides its text's: a raw prompt, with
+    a tokenizer that has some to add (a Llama BOS)."""
+    count = getattr(tokenizer, "num_special_tokens_to_add", None)
+    return not prompt.chat and callable(count) and count() > 0
+
+
+def encode_prompts(tokenizer, prompts: list[BenchPrompt]):
+    """`(inputs, pad_token_id)`: `prompts` as one left-padded batch ([`~hf_accel.loading.left_padded_batch`]), a
+    chat-templated one without the tokenizer's special tokens, a raw one with them (see the module docstring)."""
+    import torch
+    from transformers import BatchEncoding
+
+    from ..loading import left_padded_batch
+
+    kinds = {p.chat for p in prompts}
+    if len(kinds) == 1:
+        return left_padded_batch(tokenizer, [p.text for p in prompts], add_special_tokens=not kinds.pop())
+    # a file of chat and raw records: each prompt tokenized as its kind, then padded on the left here
+    rows = [left_padded_batch(tokenizer, [p.text], add_special_tokens=not p.chat) for p in prompts]
+    pad_token_id = rows[0][1]
+    width = max(inputs["input_ids"].shape[1] for inputs, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (inputs, _) in enumerate(rows):
+        length = inputs["input_ids"].shape[1]
+        input_ids[i, width - length :] = inputs["input_ids"][0]
+        attention_mask[i, width - length :] = 1
+    return BatchEncoding({"input_ids": input_ids, "attention_mask": attention_mask}), pad_token_id
 
 
 def _check_unique_ids(prompts: list[BenchPrompt], path: Path) -> None:

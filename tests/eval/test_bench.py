@@ -317,6 +317,55 @@ def test_a_tokenizer_without_a_pad_token_pads_batches_with_eos(tmp_path):
     assert tokenizer.pad_token is None and tokenizer.padding_side == "right"
 
 
+def _bos_char_tokenizer():
+    """The character tokenizer adding `<s>` to every text, as Llama's and Mistral's tokenizers do."""
+    from tokenizers import processors
+
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)]
+    )
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    return tokenizer
+
+
+def test_raw_prompts_get_the_tokenizers_bos_and_chat_prompts_the_templates_alone(tmp_path):
+    """A raw prompt (HumanEval, or a question for a tokenizer without a chat template) is tokenized as `generate`'s
+    users and transformers' pipeline tokenize text, with a Llama tokenizer's BOS (bench and self-distillation ran
+    it without, unlike the demo); a chat-templated one holds the template's BOS only, once."""
+    from hf_accel.eval.bench import run_method
+    from hf_accel.eval.prompts import encode_prompts
+    from hf_accel.speculative.drafters.build import SELF_DISTILL_CACHE, _cache_key, self_distill
+    from tests.conftest import make_tiny_llama
+
+    model, tokenizer = make_tiny_llama(seed=0, vocab_size=128), _bos_char_tokenizer()
+    (tmp_path / "p.jsonl").write_text(
+        '{"task_id": "raw/0", "prompt": "def f(x):"}\n{"question_id": 1, "category": "qa", "turns": ["hi there"]}\n'
+    )
+    raw, chat = load_prompts(str(tmp_path / "p.jsonl"), tokenizer)
+    bos = tokenizer.bos_token_id
+    for prompts in ([raw], [chat], [raw, chat]):  # a file may mix both kinds in one batch
+        inputs, _ = encode_prompts(tokenizer, prompts)
+        for row, mask, prompt in zip(inputs["input_ids"], inputs["attention_mask"], prompts):
+            ids = row[mask.bool()].tolist()
+            assert ids == [bos] + tokenizer(prompt.text[len("<s>") :] if prompt.chat else prompt.text)["input_ids"][1:]
+    reference = []
+    for prompt in (raw, chat):
+        inputs = tokenizer(prompt.text, return_tensors="pt", add_special_tokens=not prompt.chat)
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        reference.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    settings = {"max_new_tokens": 6, "do_sample": False}
+    run = run_method("vanilla", model, tokenizer, [raw, chat], 2, settings, extra={}, batched=True)
+    assert [run.outputs[p.question_id] for p in (raw, chat)] == reference
+    # an answer cached by a build that fed the raw prompt without its BOS is not this input's answer
+    stale = {"key": _cache_key("", raw.text, 6), "question_id": raw.question_id, "tokens": [7, 7]}
+    (tmp_path / SELF_DISTILL_CACHE).write_text(json.dumps(stale) + "\n")
+    answers = self_distill(model, tokenizer, [raw, chat], tmp_path, max_new_tokens=6, use_speculation=False)
+    assert answers == reference  # EOS never comes this early in these tiny answers
+
+
 def test_trim_keeps_the_first_eos_and_drops_padding_only():
     from hf_accel.eval.bench import _trim
 

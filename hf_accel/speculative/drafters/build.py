@@ -2,14 +2,15 @@
 
 Self-distillation (spec B.2, "Target-5M": the setting with the best acceptance) asks the target to answer prompts
 greedily and indexes its responses. Ambiguities (B.11 item 3) resolved here: greedy decoding, responses only (the
-prompt and chat template are not indexed: the prompt is in the context at drafting time anyway), prompts rendered as
-the benchmark renders them (`hf_accel.eval.prompts`), generation stops at EOS or `max_new_tokens` (default 256).
+prompt and chat template are not indexed: the prompt is in the context at drafting time anyway), prompts rendered and
+tokenized as the benchmark does (`hf_accel.eval.prompts`: a raw prompt with the tokenizer's BOS, if it adds one),
+generation stops at EOS or `max_new_tokens` (default 256).
 
 Generation is batched (prompts sorted by length to limit padding), cached and resumable: every finished answer is
-appended to `<out>/self_distill.jsonl` keyed by prompt text, model name and length cap, with a fingerprint of the
-model's weights, their dtype and its generation config (a directory re-saved with another model or another
-`generation_config.json`, or the model run in another dtype, regenerates its answers, which replace the old ones), and
-a rerun skips them. Processes sharing a cache take turns through a lock file beside it (`.self_distill.jsonl.lock`,
+appended to `<out>/self_distill.jsonl` keyed by prompt text (and whether the tokenizer added its BOS), model name and
+length cap, with a fingerprint of the model's weights, their dtype and its generation config (a directory re-saved
+with another model or another `generation_config.json`, or the model run in another dtype, regenerates its answers,
+which replace the old ones), and a rerun skips them. Processes sharing a cache take turns through a lock file beside it (`.self_distill.jsonl.lock`,
 not published). Answers cached by earlier versions, stamped with no fingerprint or with the weights' alone, are
 taken as the model's when the weights match.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ...loading import left_padded_batch
+from ...eval.prompts import adds_special_tokens, encode_prompts
 from ...log import progress_bar
 from .index import IndexHeader, build_index, tokenizer_fingerprint
 
@@ -164,8 +165,10 @@ def answers_fingerprint(model) -> str:
     return hashlib.sha256(f"{model_fingerprint(model)}\0{generation}".encode()).hexdigest()[:16]
 
 
-def _cache_key(model_name: str, text: str, max_new_tokens: int) -> str:
-    return hashlib.sha256(f"{model_name}\0{max_new_tokens}\0{text}".encode()).hexdigest()[:24]
+def _cache_key(model_name: str, text: str, max_new_tokens: int, special_tokens: bool = False) -> str:
+    # a raw prompt given the tokenizer's special tokens (a Llama BOS) is another input than its text alone
+    marker = "\0special" if special_tokens else ""
+    return hashlib.sha256(f"{model_name}\0{max_new_tokens}{marker}\0{text}".encode()).hexdigest()[:24]
 
 
 def self_distill(
@@ -193,7 +196,7 @@ def self_distill(
     cache_file = Path(out_dir) / SELF_DISTILL_CACHE
     records, num_lines = _read_self_distill_cache(cache_file)
     fingerprint, weights = answers_fingerprint(model), model_fingerprint(model)
-    keys = [_cache_key(model_name, p.text, max_new_tokens) for p in prompts]
+    keys = [_cache_key(model_name, p.text, max_new_tokens, adds_special_tokens(tokenizer, p)) for p in prompts]
     # records written before fingerprints (no "model"), or before the generation config was part of them (this
     # model's weights-only fingerprint), are taken as this model's, and stamped so; another model's answers are
     # regenerated and replace them
@@ -216,7 +219,7 @@ def self_distill(
     with progress_bar(total=len(todo), desc="self-distill", unit="prompt") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            inputs, pad_token_id = left_padded_batch(tokenizer, [p.text for _, p in batch], add_special_tokens=False)
+            inputs, pad_token_id = encode_prompts(tokenizer, [p for _, p in batch])
             with torch.no_grad():
                 generated = model.generate(
                     **inputs, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None,
