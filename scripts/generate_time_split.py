@@ -20,7 +20,7 @@ from hf_accel.cli import OneLineErrorParser
 
 
 def main(argv=None) -> int:
-    from hf_accel.eval.prompts import load_prompts
+    from hf_accel.eval.prompts import encode_prompts, load_prompts
     from hf_accel.loading import load_model_and_tokenizer
     from hf_accel.speculative import custom_generate
     from hf_accel.speculative.drafters import build_drafter
@@ -53,7 +53,6 @@ def main(argv=None) -> int:
         return out
 
     model.forward = timed_forward
-    tokenizer.padding_side = "left"
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     kwargs = {"custom_generate": custom_generate, "drafter": drafter, "max_new_tokens": args.max_new_tokens}
     if args.temperature > 0:
@@ -61,9 +60,9 @@ def main(argv=None) -> int:
     else:
         kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
 
-    def run(batch):
-        inputs = tokenizer([q.text for q in batch], return_tensors="pt", padding=True)
-        return model.generate(**inputs, **kwargs).speculative_stats
+    def run(batch):  # tokenized as `bench generate` does (a chat template's BOS once, a raw prompt's tokenizer's)
+        inputs, pad_token_id = encode_prompts(tokenizer, batch)
+        return model.generate(**inputs, **kwargs, pad_token_id=pad_token_id).speculative_stats
 
     run(batches[0])  # warm-up: the drafter's cost model learns pass times
     forward_seconds.clear()

@@ -97,6 +97,31 @@ def test_generate_time_split_refuses_bad_sizes_and_temperatures(tiny_loaded, cap
     assert exit_info.value.code == 2 and "must be at least" in capsys.readouterr().err
 
 
+def test_generate_time_split_feeds_the_prompts_as_bench_generate_does(monkeypatch, tmp_path, capsys):
+    """A chat template that writes the BOS got a second one from the tokenizer: the script timed other inputs than
+    `bench generate` runs."""
+    from tokenizers import processors
+
+    tokenizer = make_char_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)]
+    )
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    model, seen = make_tiny_llama(vocab_size=128), []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kwargs: seen.append(kwargs["input_ids"]) or generate(**kwargs))
+    monkeypatch.setattr(hf_accel.loading, "load_model_and_tokenizer", lambda *a, **k: (model, tokenizer))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"question_id": 1, "turns": ["hi"]}\n{"question_id": 2, "turns": ["hello there"]}\n')
+    argv = ["--prompts", str(prompts), "--batch-size", "2", "--drafter", "ngram", "--max-new-tokens", "4", "--json"]
+    assert run_script("generate_time_split.py")["main"](argv) == 0
+    from hf_accel.eval.prompts import encode_prompts, load_prompts
+
+    expected = encode_prompts(tokenizer, load_prompts(str(prompts), tokenizer))[0]["input_ids"]
+    assert seen and all(ids.tolist() == expected.tolist() for ids in seen)
+    assert expected[1].tolist()[:2] == [tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("[")]  # one BOS
+
+
 @pytest.mark.parametrize(
     "grid, message",
     [
