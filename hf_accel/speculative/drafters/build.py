@@ -10,9 +10,9 @@ Generation is batched (prompts sorted by length to limit padding), cached and re
 appended to `<out>/self_distill.jsonl` keyed by prompt text (and whether the tokenizer added its BOS), model name and
 length cap, with a fingerprint of the model's weights, their dtype and its generation config (a directory re-saved
 with another model or another `generation_config.json`, or the model run in another dtype, regenerates its answers,
-which replace the old ones), and a rerun skips them. Processes sharing a cache take turns through a lock file beside it (`.self_distill.jsonl.lock`,
-not published). Answers cached by earlier versions, stamped with no fingerprint or with the weights' alone, are
-taken as the model's when the weights match.
+which replace the old ones), and a rerun skips them. Processes sharing a cache take turns through a lock file beside
+it (`.self_distill.jsonl.lock`, not published). Answers cached by earlier versions, stamped with no fingerprint or with
+the weights' alone, are taken as the model's when the weights match.
 """
 
 import hashlib
