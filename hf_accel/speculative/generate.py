@@ -23,6 +23,7 @@ import threading
 import time
 
 import torch
+from transformers import __version__ as transformers_version
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import (
     LogitsProcessor,
@@ -347,6 +348,7 @@ def assisted_generate(
     `custom_generate` gives with that seed. With `output_scores`, a sampled call's scores are the log-probabilities
     plus that position's Gumbel noise."""
     _validate_call("assisted_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
+    _check_assisted_loop(model)
     if getattr(drafter, "requires_hidden_states", ()):  # CP heads, SpecFormer: their `update` would get none
         raise ValueError(
             "transformers' assisted loop hands a drafter no hidden states (it asks for `requires_hidden_states`); "
@@ -395,6 +397,22 @@ def assisted_generate(
             _calls_in_flight[id(model)] -= 1
             if not _calls_in_flight[id(model)]:
                 del _calls_in_flight[id(model)], model._get_candidate_generator
+
+
+# The private methods of transformers' assisted loop that `assisted_generate` runs (5.23 has no public way to hand that
+# loop a `CandidateGenerator`): renamed or removed, the shadowed builder would be ignored and transformers' own would
+# fail deep inside (`'NoneType' object has no attribute 'device'`: it builds an assistant-model generator without one)
+_ASSISTED_LOOP_METHODS = ("_assisted_decoding", "_get_candidate_generator")
+
+
+def _check_assisted_loop(model) -> None:
+    """Refuses, in one line, a transformers whose `GenerationMixin` lacks the assisted loop's private methods."""
+    missing = [name for name in _ASSISTED_LOOP_METHODS if not callable(getattr(type(model), name, None))]
+    if missing:
+        raise RuntimeError(
+            f"assisted_generate runs transformers' assisted loop through its private {', '.join(missing)}, which "
+            f"this transformers ({transformers_version}) does not have (written for 5.23); use `custom_generate`"
+        )
 
 
 class _PositionSampling(LogitsProcessor):

@@ -1115,3 +1115,20 @@ def test_generation_across_a_longrope_switch_is_refused_in_one_line(loop):
         assert torch.equal(model.generate(**kwargs, custom_generate=loop, drafter=drafter), reference)
     with pytest.raises(ValueError, match="longrope"):
         model.generate(short, max_new_tokens=60, custom_generate=loop, drafter=ReferenceDrafter(reference))
+
+
+@pytest.mark.parametrize("renamed", ["_assisted_decoding", "_get_candidate_generator"])
+def test_assisted_loop_without_transformers_private_methods_is_refused_in_one_line(tiny_llama, monkeypatch, renamed):
+    """`assisted_generate` drives transformers' private `_assisted_decoding` and shadows `_get_candidate_generator`;
+    with either renamed (a later transformers), the shadow was ignored and transformers' own builder failed deep
+    inside with `'NoneType' object has no attribute 'device'`, or the call failed on a missing attribute."""
+    from transformers import GenerationMixin
+
+    method = getattr(GenerationMixin, renamed)
+    monkeypatch.delattr(GenerationMixin, renamed)
+    monkeypatch.setattr(GenerationMixin, renamed + "_v2", method, raising=False)
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(RuntimeError, match=f"private {renamed}.*use `custom_generate`"):
+        tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=assisted_generate,
+                            drafter=ReferenceDrafter(input_ids))  # fmt: skip
+    assert "_get_candidate_generator" not in vars(tiny_llama)
