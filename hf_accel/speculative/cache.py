@@ -18,9 +18,12 @@ Contract with cache classes (documented again in [`~hf_accel.speculative.engine`
   hybrid models): a tree pass folds every node into one state, which cannot be rolled back to the accepted path.
   So are transformers' quantized layers (`_quantized_keys`, `cache_implementation="quantized"`) without
   `select_positions`: most of their sequence lives in the quantized storage, not in `keys` / `values`.
+  So are other `DynamicLayer` subclasses that change `crop` without `select_positions`: they cache more per token
+  than `keys` / `values` (a sparse-attention indexer's keys), which a gather of `keys` / `values` would leave behind.
 """
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 
 def validate_cache_for_speculation(cache) -> None:
@@ -53,6 +56,18 @@ def validate_cache_for_speculation(cache) -> None:
                 f"cache layer {i} is a sliding-window layer; speculative decoding cannot gather it. Pass no "
                 "`past_key_values` (the engine masks windows itself), or a layer class implementing `select_positions`."
             )
+        if _keeps_more_than_keys_and_values(layer) and not hasattr(layer, "select_positions"):
+            raise ValueError(
+                f"cache layer {i} ({type(layer).__name__}) keeps per-token state besides `keys` / `values` (its class "
+                "crops more, e.g. a sparse-attention indexer's keys), which gathering the accepted nodes would leave "
+                "behind; speculative decoding supports layers whose tokens are all in `keys` / `values`"
+            )
+
+
+def _keeps_more_than_keys_and_values(layer) -> bool:
+    """Whether a `DynamicLayer` subclass changes `crop`: transformers' layers that cache more per token than
+    `keys` / `values` (the indexer keys of sparse-attention layers: GLM-MoE-DSA, DeepSeek-V3.2, MiniMax-M3-VL) crop it too."""
+    return isinstance(layer, DynamicLayer) and type(layer).crop is not DynamicLayer.crop
 
 
 def _gather_seq(tensor: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:

@@ -666,6 +666,28 @@ def test_hybrid_recurrent_models_are_refused_in_one_line():
                        drafter=ReferenceDrafter(reference))  # fmt: skip
 
 
+def test_sparse_attention_indexer_caches_are_refused_in_one_line():
+    """A DSA model's cache layers (`DynamicIndexedLayer`) also keep an indexer key per token, which gathering the
+    accepted nodes of `keys` / `values` left behind: after a rejected draft, the next pass failed deep in the indexer
+    (`The size of tensor a (28) must match the size of tensor b (27)`)."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    torch.manual_seed(0)
+    config = GlmMoeDsaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, head_dim=8, index_topk=4,
+        index_head_dim=8, index_n_heads=2, first_k_dense_replace=1, max_position_embeddings=256, mlp_layer_types=None,
+        layer_types=None, indexer_types=None, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    model = GlmMoeDsaForCausalLM(config).eval()
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    reference = model.generate(input_ids, max_new_tokens=20, do_sample=False)
+    with pytest.raises(ValueError, match="DynamicIndexedLayer.*per-token state besides"):
+        model.generate(input_ids, max_new_tokens=20, custom_generate=custom_generate,
+                       drafter=ReferenceDrafter(reference))  # fmt: skip
+
+
 @pytest.mark.parametrize("loop", [custom_generate, assisted_generate])
 def test_drafts_deeper_than_the_budget_stay_inside_a_position_table(loop):
     """A drafter may ignore `max_depth`; GPT-2's learned positions end where `max_length` does."""
