@@ -11,7 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -76,8 +76,12 @@ def uninitialized_model(model_class, config, dtype):
     """`model_class` built from `config` in `dtype` without random initialisation: [`load_converted_state`] then
     fills every parameter (strictly). At 1B shapes the initialisation took 23 s and 1 GB for weights thrown away; the
     buffers computed at construction (RoPE frequencies) are set as usual. `no_init_weights` also skips the tying of
-    the output embedding to the input one (`tie_word_embeddings`), which is done here."""
-    from transformers.initialization import no_init_weights
+    the output embedding to the input one (`tie_word_embeddings`), which is done here. `no_init_weights` is not
+    public API: where a transformers release moves it, the model is initialised as usual (slower, the same result)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        no_init_weights = nullcontext
 
     with no_init_weights():
         model = model_class._from_config(config, dtype=dtype)

@@ -410,6 +410,21 @@ def test_converted_models_keep_tied_embeddings_tied(tie):
         torch.testing.assert_close(converted.lm_head.weight, model.lm_head.weight)
 
 
+def test_conversion_does_not_need_transformers_private_no_init_weights(monkeypatch):
+    """`transformers.initialization.no_init_weights` only saves time (every weight is then loaded strictly): a release
+    that moves it made a conversion fail with an ImportError after its calibration, not convert the same model."""
+    import importlib
+
+    initialization = importlib.import_module("transformers.initialization")
+    model = make_tiny("llama")
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    config = CareConversionConfig(kv_keep=0.5, method="svd")
+    expected = run_care_conversion(model, None, config, None, False).model(ids).logits
+    monkeypatch.delattr(initialization, "no_init_weights")
+    converted = run_care_conversion(model, None, config, None, False).model
+    torch.testing.assert_close(converted(ids).logits, expected, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("method", ["care", "care-u"])
 def test_kv_keep_is_a_fraction_of_the_cache_width_when_it_exceeds_the_hidden_size(method):
     # K/V width 4 heads × 16 = 64 against a hidden size of 32: a matrix's rank is at most 32, yet kv_keep 0.5 keeps
