@@ -23,7 +23,7 @@ Contract with cache classes (documented again in [`~hf_accel.speculative.engine`
 """
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicLayer
 
 
 def validate_cache_for_speculation(cache) -> None:

@@ -72,23 +72,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.logits_process import (
+from transformers.generation import (
+    EosTokenCriteria,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     InfNanRemoveLogitsProcessor,
     LogitNormalization,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
     MinPLogitsWarper,
+    StopStringCriteria,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
-)
-from transformers.generation.stopping_criteria import (
-    EosTokenCriteria,
-    MaxLengthCriteria,
-    MaxTimeCriteria,
-    StopStringCriteria,
 )
 
 from .acceptance import greedy_accept, match_draft_vocab, position_gumbel_noise, sample_accept_tree

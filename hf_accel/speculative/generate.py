@@ -24,13 +24,14 @@ import time
 
 import torch
 from transformers import __version__ as transformers_version
-from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.logits_process import (
+from transformers.generation import (
+    CandidateGenerator,
+    GenerateDecoderOnlyOutput,
+    GenerationMode,
     LogitsProcessor,
     LogitsProcessorList,
     SynthIDTextWatermarkLogitsProcessor,
 )
-from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMode
 
 from .acceptance import position_gumbel_noise
 from .engine import (
