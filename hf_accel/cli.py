@@ -8,6 +8,7 @@ prompts file, bad option) are raised as `ValueError`/`FileNotFoundError` and pri
 import argparse
 import json
 import math
+import os
 import sys
 
 
@@ -21,6 +22,14 @@ def finite_or_null(obj):
     if isinstance(obj, (list, tuple)):
         return [finite_or_null(value) for value in obj]
     return obj
+
+
+def user_path(value: str) -> str:
+    """An option that may name a file or directory (`type=` of its argument), `~` expanded as the shell expands it in
+    a word of its own: `--text=~/a.txt` and a quoted `~` reach the program as typed. A name that is no path
+    (`humaneval`, a Hub id) passes as given; `hf:~/corpus` expands after its `hf:`."""
+    prefix = "hf:" if value.startswith("hf:") else ""
+    return prefix + os.path.expanduser(value[len(prefix) :])
 
 
 def strict_json(obj, indent: int | None = None) -> str:

@@ -178,3 +178,27 @@ def test_hf_accel_home_expands_a_tilde_as_hf_home_does(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ACCEL_HOME", "~/accel")
     monkeypatch.chdir(tmp_path)
     assert hf_accel_home() == tmp_path / "accel"
+
+
+@pytest.mark.parametrize(
+    "argv, field, expected",
+    [
+        (["eval", "ppl", "--text=~/a.txt"], "text", "HOME/a.txt"),
+        (["eval", "ppl", "--dataset=~/ds"], "dataset", "HOME/ds"),
+        (["bench", "generate", "--prompts=~/p.jsonl"], "prompts", "HOME/p.jsonl"),
+        (["bench", "generate", "--prompts=humaneval"], "prompts", "humaneval"),
+        (["index", "build", "--out", "x", "--text", "~/a.txt", "~/b.txt"], "text", ["HOME/a.txt", "HOME/b.txt"]),
+        (["index", "build", "--out", "x", "--self-distill=~/p.jsonl"], "self_distill", ["HOME/p.jsonl"]),
+        (["convert", "care", "--kv-keep", "0.5", "--out", "x", "--calib=hf:~/corpus"], "calib", "hf:HOME/corpus"),
+        (["convert", "palu", "--kv-keep", "0.5", "--out", "x", "--calib=~/c.txt"], "calib", "HOME/c.txt"),
+        (["convert", "palu", "--kv-keep", "0.5", "--out", "x", "--calib=hf:wikitext"], "calib", "hf:wikitext"),
+    ],
+)
+def test_file_options_expand_a_tilde_the_shell_left_alone(argv, field, expected, tmp_path, monkeypatch):
+    # bash expands `~` only at a word's start: `--text=~/a.txt` reached the program as typed, then "not found"
+    from hf_accel.cli import _build_parser
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    value = getattr(_build_parser().parse_args(argv), field)
+    swap = lambda v: v.replace("HOME", str(tmp_path))
+    assert value == (list(map(swap, expected)) if isinstance(expected, list) else swap(expected))

@@ -2,6 +2,8 @@
 
 import argparse
 
+from ..cli import user_path
+
 
 def add_cli(commands) -> argparse.ArgumentParser:
     """Adds the `convert` command group to the top-level subparsers; returns its parser.
@@ -26,7 +28,10 @@ def _add_care(converters) -> None:
     care.add_argument("--kv-keep", type=float, required=True, help="fraction of the K+V cache kept, in (0, 1]")
     care.add_argument("--method", default="care", choices=METHODS, help="factorization + rank allocation")
     care.add_argument(
-        "--calib", default="generated", help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]"
+        "--calib",
+        default="generated",
+        type=user_path,
+        help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]",
     )
     care.add_argument("--calib-samples", type=int, default=256, help="calibration sequences (spec default 256)")
     care.add_argument("--calib-seq-len", type=int, default=32, help="tokens per sequence (spec default 32)")

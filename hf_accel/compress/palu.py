@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli import user_path
 from ..log import progress_bar
 from ..models.configuration_palu import KERNEL_BACKENDS
 from .calibration import (
@@ -756,7 +757,10 @@ def add_palu_parser(convert_commands) -> None:
     )  # fmt: skip
     parser.add_argument("--no-hadamard", action="store_true", help="do not fold the Walsh–Hadamard rotation")
     parser.add_argument(
-        "--calib", default="generated", help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]"
+        "--calib",
+        default="generated",
+        type=user_path,
+        help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]",
     )
     parser.add_argument("--calib-samples", type=int, default=64, help="calibration sequences")
     parser.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")

@@ -4,7 +4,7 @@ import argparse
 import math
 import sys
 
-from ..cli import print_json
+from ..cli import print_json, user_path
 
 
 def add_cli(commands) -> None:
@@ -12,8 +12,10 @@ def add_cli(commands) -> None:
     ppl = evaluate.add_parser("ppl", help="perplexity over non-overlapping windows")
     ppl.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
     source = ppl.add_mutually_exclusive_group(required=True)
-    source.add_argument("--text", help="a plain UTF-8 text file")
-    source.add_argument("--dataset", help="a `datasets` dataset (save_to_disk directory, data files, or Hub id)")
+    source.add_argument("--text", type=user_path, help="a plain UTF-8 text file")
+    source.add_argument(
+        "--dataset", type=user_path, help="a `datasets` dataset (save_to_disk directory, data files, or Hub id)"
+    )
     ppl.add_argument("--split", default="test", help="the dataset split (with --dataset)")
     ppl.add_argument("--text-column", default="text", help="the dataset column holding the text")
     ppl.add_argument("--seq-len", type=int, default=512, help="window length in tokens (windows scored alone)")
@@ -26,7 +28,9 @@ def add_cli(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark speed").add_subparsers(dest="what", required=True)
     gen = bench.add_parser("generate", help="tokens/s of generation methods side by side")
     gen.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
-    gen.add_argument("--prompts", required=True, help="Spec-Bench JSONL file, `humaneval`, or a built-in set name")
+    gen.add_argument(
+        "--prompts", required=True, type=user_path, help="Spec-Bench JSONL file, `humaneval`, or a built-in set name"
+    )
     gen.add_argument("--limit", type=int, default=None, help="use at most N prompts (after --offset)")
     gen.add_argument("--offset", type=int, default=0, help="skip the first N prompts (HumanEval held-out: 100)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="generation length cap")

@@ -6,6 +6,8 @@ import shutil
 import time
 from pathlib import Path
 
+from ..cli import user_path
+
 
 def add_cli(commands) -> None:
     """Adds the `index` command (subcommand `build`) to the top-level `hf-accel` subparsers."""
@@ -18,12 +20,14 @@ def add_cli(commands) -> None:
     )
     build.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
     build.add_argument("--out", required=True, help="index directory to write")
-    build.add_argument("--text", nargs="+", default=[], help="plain text files (one document each)")
-    build.add_argument("--dataset", help="a `datasets` dataset (save_to_disk directory, data files, or Hub id)")
+    build.add_argument("--text", nargs="+", default=[], type=user_path, help="plain text files (one document each)")
+    build.add_argument(
+        "--dataset", type=user_path, help="a `datasets` dataset (save_to_disk directory, data files, or Hub id)"
+    )
     build.add_argument("--split", default="train", help="the dataset split (with --dataset)")
     build.add_argument("--text-column", default="text", help="the dataset column holding the text")
     build.add_argument(
-        "--self-distill", nargs="+", default=[], metavar="PROMPTS",
+        "--self-distill", nargs="+", default=[], type=user_path, metavar="PROMPTS",
         help="prompt sets (Spec-Bench JSONL, `humaneval`, or a built-in set) the model answers, its answers indexed; "
         "a slice picks prompts, e.g. `humaneval[:100]`",
     )  # fmt: skip
