@@ -177,12 +177,9 @@ def collect_kv_calibration(
     d_k, d_v = attn_modules[0].k_proj.out_features, attn_modules[0].v_proj.out_features
     n = len(attn_modules)
     zeros = lambda *shape: [torch.zeros(*shape, dtype=torch.float64) for _ in range(n)]
-    stats = {
-        "moments": zeros(d_in, d_in),
-        "abs_sums": zeros(d_in),
-        "k_grads": zeros(d_k, d_k),
-        "v_grads": zeros(d_v, d_v),
-    }
+    stats = {"moments": zeros(d_in, d_in), "abs_sums": zeros(d_in)}
+    if with_output_grads:  # 2·layers·(g·d)² float64 numbers: 8.6 GB at Llama-2-7B's shapes, for nothing without them
+        stats.update(k_grads=zeros(d_k, d_k), v_grads=zeros(d_v, d_v))
     mask_box = [None]
     handles = _accumulate_inputs(attn_modules, stats, mask_box)
     if with_output_grads:

@@ -72,3 +72,20 @@ def test_calibration_ids_must_be_rows():
         collect_kv_calibration(model, torch.arange(3, 19), progress=False)
     with pytest.raises(ValueError, match="seq_len >= 2"):  # a loss needs two tokens
         collect_kv_calibration(model, torch.arange(3, 7)[:, None], with_output_grads=True, progress=False)
+
+
+def test_no_gradient_accumulators_without_gradients(monkeypatch):
+    """Without `with_output_grads` only the input statistics are allocated: the two `[g·d, g·d]` float64 gradient
+    accumulators per layer (8.6 GB at Llama-2-7B's shapes) were made and never used."""
+    model = make_tiny_llama()
+    allocated, zeros = [], torch.zeros
+
+    def recording_zeros(*args, **kwargs):
+        allocated.append(zeros(*args, **kwargs))
+        return allocated[-1]
+
+    monkeypatch.setattr(torch, "zeros", recording_zeros)
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    collect_kv_calibration(model, ids, progress=False)
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    assert sum(t.numel() for t in allocated if t.dtype == torch.float64) == layers * (hidden * hidden + hidden)
