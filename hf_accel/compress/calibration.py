@@ -199,12 +199,14 @@ def collect_kv_calibration(
     if tokens == 0:
         raise ValueError("calibration saw no tokens (all padding?)")
     check_finite_statistics(stats, with_output_grads, next(model.parameters()).dtype)
+    # averaged in place: a divided copy held every layer's moments twice (2·layers·hidden² float64 numbers)
+    averages = {key: [total.div_(tokens) for total in totals] for key, totals in stats.items()}
     return KvCalibration(
-        moments=[c / tokens for c in stats["moments"]],
-        abs_means=[a / tokens for a in stats["abs_sums"]],
+        moments=averages["moments"],
+        abs_means=averages["abs_sums"],
         tokens=tokens,
-        k_grad_moments=[g / tokens for g in stats["k_grads"]] if with_output_grads else None,
-        v_grad_moments=[g / tokens for g in stats["v_grads"]] if with_output_grads else None,
+        k_grad_moments=averages.get("k_grads"),
+        v_grad_moments=averages.get("v_grads"),
     )
 
 
