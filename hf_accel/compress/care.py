@@ -357,6 +357,10 @@ def run_care_conversion(
     start = time.perf_counter()
     factors = factorize_kv(model, calibration, config.method, config, progress)
     k_ranks, v_ranks = allocate_ranks(factors, config.kv_keep, config.method, config.rank_floor_frac)
+    # The original and the converted model coexist while the latter is built (the conversion's peak): the full-rank
+    # float64 factors (2·(hidden + g·d)·min(hidden, g·d) numbers a layer) are cut to their ranks first, one at a time.
+    for idx, ranks in enumerate(zip(k_ranks, v_ranks)):
+        factors[idx] = tuple(f.keep_ranks(r) for f, r in zip(factors[idx], ranks))
     care_model = build_care_model(model, factors, k_ranks, v_ranks, config.absorb_value)
     return CareResult(
         model=care_model,

@@ -40,6 +40,12 @@ class LowRankFactors:
             raise ValueError(f"rank {rank} is outside [1, {self.max_rank}] (the matrix's largest rank)")
         return self.down[:, :rank], self.up[:rank]
 
+    def keep_ranks(self, rank: int) -> "LowRankFactors":
+        """The first `rank` ranks in tensors of their own (`truncate` gives views, which keep the full-rank factors
+        alive); raises `ValueError` for a rank outside [1, max_rank]."""
+        down, up = self.truncate(rank)
+        return LowRankFactors(down=down.clone(), up=up.clone(), sigma=self.sigma[:rank].clone())
+
 
 def check_shrinkage(alpha: float, lam_frac: float) -> None:
     """Refuses a shrinkage that is not a convex mix with a non-negative ridge (`C_λ` would not be PSD)."""

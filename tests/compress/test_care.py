@@ -620,3 +620,36 @@ def test_the_calibration_seed_is_part_of_the_published_record(tmp_path):
     save_care_model(result, None, tmp_path / "out", "org/tiny")
     assert json.loads((tmp_path / "out" / "care_ranks.json").read_text())["calibration"]["seed"] == 7
     assert "seed 7" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_full_rank_factors_are_freed_before_the_converted_model_is_built(monkeypatch):
+    """The original and the converted model coexist while the latter is built (the conversion's peak); the full-rank
+    float64 factors (33 GB at Llama-2-7B's shapes) are cut to their ranks before that, as Palu's are, and the
+    conversion is unchanged."""
+    import gc
+    import weakref
+
+    from hf_accel.compress import care
+
+    model = make_tiny("llama")
+    calibration = tiny_calibration(model)
+    config = CareConversionConfig(kv_keep=0.5)
+    expected = run_care_conversion(model, None, config, calibration, False).model.state_dict()
+    full_rank, alive = [], []
+
+    def factorize_and_watch(*args, **kwargs):
+        factors = factorize_kv(*args, **kwargs)
+        full_rank.extend(weakref.ref(t) for pair in factors for f in pair for t in (f.down, f.up))
+        return factors
+
+    def build_and_check(*args, **kwargs):
+        gc.collect()
+        alive.extend(ref for ref in full_rank if ref() is not None)
+        return build_care_model(*args, **kwargs)
+
+    monkeypatch.setattr(care, "factorize_kv", factorize_and_watch)
+    monkeypatch.setattr(care, "build_care_model", build_and_check)
+    converted = run_care_conversion(model, None, config, calibration, False).model
+    assert full_rank and not alive
+    for name, tensor in converted.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
