@@ -27,6 +27,7 @@ import torch
 from ..log import progress_bar
 from .calibration import KvCalibration, check_calibration_fits, collect_kv_calibration
 from .export import (
+    as_converted,
     atomic_output_dir,
     check_no_adapters,
     check_rope_type,
@@ -242,8 +243,9 @@ def build_care_model(model, factors, k_ranks, v_ranks, absorb_value: bool = Fals
         prefix, attn = f"model.layers.{idx}.self_attn.", model.model.layers[idx].self_attn
         k_down, k_up = fk.truncate(rk)
         v_down, v_up = fv.truncate(rv)
-        state[prefix + "k_down.weight"], state[prefix + "k_up.weight"] = k_down.T, k_up.T
-        state[prefix + "v_down.weight"] = v_down.T
+        state[prefix + "k_down.weight"] = as_converted(k_down.T, dtype)
+        state[prefix + "k_up.weight"] = as_converted(k_up.T, dtype)
+        state[prefix + "v_down.weight"] = as_converted(v_down.T, dtype)
         if attn.k_proj.bias is not None:
             state[prefix + "k_up.bias"] = attn.k_proj.bias.detach()
         v_bias = None if attn.v_proj.bias is None else attn.v_proj.bias.detach().double().cpu()
@@ -258,13 +260,14 @@ def build_care_model(model, factors, k_ranks, v_ranks, absorb_value: bool = Fals
                 config.num_key_value_heads,
                 attn.head_dim,
             )
-            state[prefix + "o_proj.weight"] = weight
+            state[prefix + "o_proj.weight"] = as_converted(weight, dtype)
             if care_model.model.layers[idx].self_attn.o_proj.bias is not None:
-                state[prefix + "o_proj.bias"] = bias
+                state[prefix + "o_proj.bias"] = as_converted(bias, dtype)
+            del weight, bias  # float64: not held on into the next layer (or the load, after the last)
         else:
-            state[prefix + "v_up.weight"] = v_up.T
+            state[prefix + "v_up.weight"] = as_converted(v_up.T, dtype)
             if v_bias is not None:
-                state[prefix + "v_up.bias"] = v_bias
+                state[prefix + "v_up.bias"] = as_converted(v_bias, dtype)
     return load_converted_state(care_model, state, model, "CARE")
 
 

@@ -89,6 +89,13 @@ def uninitialized_model(model_class, config, dtype):
     return model
 
 
+def as_converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` as [`load_converted_state`] loads it: in `dtype`, contiguous. The builders convert each layer's float64
+    results as they make them: kept in float64 until the load, every layer's were held together with their converted
+    copies, three times the converted weights of a float32 model (five of a 16-bit one)."""
+    return tensor.to(dtype, memory_format=torch.contiguous_format)
+
+
 def load_converted_state(converted, state: dict, source, converter: str):
     """Loads `state` into `converted` in the dtype of `source` (refusing non-finite values) and gives it `source`'s
     generation config (its EOS ids and sampling defaults live there, not in `config.json`).

@@ -35,6 +35,7 @@ from .calibration import (
     tokenize_calibration_text,
 )
 from .export import (
+    as_converted,
     atomic_output_dir,
     card_base_model,
     check_no_adapters,
@@ -392,13 +393,18 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
             k_down, k_up = fold_hadamard_into_factors(k_down, k_up)
             v_down, v_up = fold_hadamard_into_factors(v_down, v_up)
         prefix = f"model.layers.{idx}.self_attn."
-        state[prefix + "k_down.weight"] = torch.cat(list(k_down), dim=1).T  # [n_g·r_k, in]
-        state[prefix + "v_down.weight"] = torch.cat(list(v_down), dim=1).T  # [n_g·r_v, in]
-        state[prefix + "k_up"] = k_up
-        o_weight = state[prefix + "o_proj.weight"].double().cpu()
-        state[prefix + "o_proj.weight"] = fold_values_into_o_proj(
-            o_weight, v_up, config.num_attention_heads, config.num_key_value_heads, head_dim
+        state[prefix + "k_down.weight"] = as_converted(torch.cat(list(k_down), dim=1).T, dtype)  # [n_g·r_k, in]
+        state[prefix + "v_down.weight"] = as_converted(torch.cat(list(v_down), dim=1).T, dtype)  # [n_g·r_v, in]
+        state[prefix + "k_up"] = as_converted(k_up, dtype)
+        o_weight = fold_values_into_o_proj(
+            state[prefix + "o_proj.weight"].double().cpu(),
+            v_up,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim,
         )
+        state[prefix + "o_proj.weight"] = as_converted(o_weight, dtype)
+        del o_weight  # not held on into the next layer (or the load, after the last)
     return load_converted_state(palu, state, model, "Palu")
 
 

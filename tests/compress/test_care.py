@@ -653,3 +653,41 @@ def test_full_rank_factors_are_freed_before_the_converted_model_is_built(monkeyp
     assert full_rank and not alive
     for name, tensor in converted.state_dict().items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
+
+
+def test_float64_results_of_every_layer_are_not_held_until_the_converted_weights_are_loaded(monkeypatch):
+    """Each layer's float64 `o_proj` (CARE's absorbed value projection, Palu's folded one) is converted as it is
+    made: held until the load, every layer's were kept together with their converted copies, three times the new
+    `o_proj` weights (which are larger than the original's) beside the two models."""
+    import gc
+    import weakref
+
+    from hf_accel.compress import care, palu
+
+    model = make_tiny("llama")
+    ids = torch.randint(3, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    made, alive = [], []
+
+    def watch(fold):
+        def folded(*args, **kwargs):
+            result = fold(*args, **kwargs)
+            made.extend(weakref.ref(t) for t in (result if isinstance(result, tuple) else (result,)))
+            return result
+
+        return folded
+
+    def check_then_load(load):
+        def loaded(*args, **kwargs):
+            gc.collect()
+            alive.extend(ref for ref in made if ref() is not None)
+            return load(*args, **kwargs)
+
+        return loaded
+
+    for module, fold in ((care, "_absorbed_o_proj"), (palu, "fold_values_into_o_proj")):
+        monkeypatch.setattr(module, fold, watch(getattr(module, fold)))
+        monkeypatch.setattr(module, "load_converted_state", check_then_load(module.load_converted_state))
+    config = CareConversionConfig(kv_keep=0.5, method="care-u", absorb_value=True)
+    run_care_conversion(model, None, config, tiny_calibration(model, with_output_grads=False), False)
+    palu.convert_palu(model, None, kv_keep=0.5, ranks="uniform", calibration_ids=ids, progress=False)
+    assert len(made) == 3 * model.config.num_hidden_layers and not alive
