@@ -282,7 +282,7 @@ class CareResult:
     kv_keep: float
     calibration_seconds: float
     factorization_seconds: float
-    calibration: KvCalibration | None = None
+    calibration: dict | None = None  # [`describe_calibration`]: its source and sizes, not its matrices
 
     def summary(self) -> dict:
         widths = sum(2 * a.k_up.out_features for a in _attn_modules(self.model))
@@ -360,6 +360,9 @@ def run_care_conversion(
     start = time.perf_counter()
     factors = factorize_kv(model, calibration, config.method, config, progress)
     k_ranks, v_ranks = allocate_ranks(factors, config.kv_keep, config.method, config.rank_floor_frac)
+    # only its description is kept: a calibration made here is freed before the build (its float64 moments are
+    # 4.3 GB at Llama-3-8B's shapes)
+    described, calibration = describe_calibration(calibration), None
     # The original and the converted model coexist while the latter is built (the conversion's peak): the full-rank
     # float64 factors (2·(hidden + g·d)·min(hidden, g·d) numbers a layer) are cut to their ranks first, one at a time.
     for idx, ranks in enumerate(zip(k_ranks, v_ranks)):
@@ -373,8 +376,17 @@ def run_care_conversion(
         kv_keep=config.kv_keep,
         calibration_seconds=calibration_seconds,
         factorization_seconds=time.perf_counter() - start,
-        calibration=calibration,
+        calibration=described,
     )
+
+
+def describe_calibration(calibration: KvCalibration | None) -> dict | None:
+    """The scalar descriptions of `calibration` that a checkpoint publishes (source, sizes, seed, tokens), or `None`
+    without one (plain SVD)."""
+    if calibration is None:
+        return None
+    meta = dict(calibration.meta, tokens=calibration.tokens)
+    return {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, (str, int, float))}
 
 
 def convert_care(
@@ -466,10 +478,7 @@ def save_care_model(result: CareResult, tokenizer, out_dir, base_model: str | No
     summary = result.summary()
     with atomic_output_dir(out, overwrite) as tmp:
         copy_remote_code(tmp, ["configuration_care.py", "modeling_care.py"])
-        calibration = None
-        if result.calibration is not None:  # its scalar descriptions (source, sizes), not cached matrices
-            meta = dict(result.calibration.meta, tokens=result.calibration.tokens)
-            calibration = {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, (str, int, float))}
+        calibration = result.calibration
         plot_ranks(tmp / "care_ranks.png", result.k_ranks, result.v_ranks, width, f"CARE ranks ({result.method})")
         settings = {"method": result.method, "kv_keep": result.kv_keep}
         settings["kv_keep_achieved"] = round(summary["kv_keep_achieved"], 4)

@@ -691,3 +691,34 @@ def test_float64_results_of_every_layer_are_not_held_until_the_converted_weights
     run_care_conversion(model, None, config, tiny_calibration(model, with_output_grads=False), False)
     palu.convert_palu(model, None, kv_keep=0.5, ranks="uniform", calibration_ids=ids, progress=False)
     assert len(made) == 3 * model.config.num_hidden_layers and not alive
+
+
+def test_a_calibration_made_by_the_conversion_is_freed_before_the_converted_model_is_built(monkeypatch):
+    # CareResult kept the whole calibration (float64 [hidden, hidden] moments: 4.3 GB at Llama-3-8B's shapes) through
+    # the build, the conversion's peak; only its description is published
+    import gc
+    import weakref
+
+    from hf_accel.compress import care
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    made, alive = [], []
+    prepare = care.prepare_calibration
+
+    def prepare_and_watch(*args, **kwargs):
+        calibration = prepare(*args, **kwargs)
+        made.append(weakref.ref(calibration))
+        return calibration
+
+    def build_and_check(*args, **kwargs):
+        gc.collect()
+        alive.extend(ref for ref in made if ref() is not None)
+        return build_care_model(*args, **kwargs)
+
+    monkeypatch.setattr(care, "prepare_calibration", prepare_and_watch)
+    monkeypatch.setattr(care, "build_care_model", build_and_check)
+    model = make_tiny("llama", vocab_size=128)
+    config = CareConversionConfig(kv_keep=0.5, method="care-u")
+    result = run_care_conversion(model, make_char_tokenizer(), config, None, False, num_samples=2, seq_len=8)
+    assert made and not alive
+    assert result.calibration == {"source": "generated", "num_samples": 2, "seq_len": 8, "seed": 0, "tokens": 16}
