@@ -1196,6 +1196,18 @@ def test_a_first_table_saved_as_an_npz_archive_is_one_clear_error(small_index, t
         InfinigramIndex(path)
 
 
+def test_a_first_table_claiming_a_huge_shape_is_refused_before_allocating(small_index, tmp_path):
+    from numpy.lib import format as npy_format
+
+    path = tmp_path / "copy"
+    shutil.copytree(small_index[1].path, path)
+    with open(path / "first.npy", "wb") as file:  # a crafted header: 512 TiB claimed, a few bytes given
+        npy_format.write_array_header_1_0(file, {"descr": "<i8", "fortran_order": False, "shape": (2**46,)})
+        file.write(bytes(64))
+    with pytest.raises(ValueError, match=r"first\.npy cannot be read"):  # not a MemoryError from np.load
+        InfinigramIndex(path)
+
+
 def test_a_first_table_that_is_not_non_decreasing_is_refused_at_load(small_index, tmp_path):
     path = tmp_path / "copy"
     shutil.copytree(small_index[1].path, path)

@@ -264,8 +264,8 @@ class InfinigramIndex:
                     f"index {self.path}: {name} should hold {header.num_tokens:,} entries ({itemsize * header.num_tokens:,} "
                     f"bytes) but {found}{rebuild}"
                 )
-        try:
-            self.first = np.load(self.path / "first.npy")
+        try:  # mapped: a crafted header's shape is checked against the file's size, not allocated first
+            self.first = np.load(self.path / "first.npy", mmap_mode="r")
         except (OSError, ValueError) as err:
             raise ValueError(f"index {self.path}: first.npy cannot be read ({err}){rebuild}") from None
         if not isinstance(self.first, np.ndarray):  # a zip (`.npz`) loads as a lazy archive of arrays
@@ -285,6 +285,7 @@ class InfinigramIndex:
                 f"(int64, shape ({header.vocab_size + 1},), non-decreasing from 0 to {header.num_indexed_tokens})"
                 f"{rebuild}"
             )
+        self.first = np.array(self.first)  # read once checked; no map left open on a file a rebuild replaces
         self.tokens = np.memmap(self.path / "tokens.u32", dtype="<u4", mode="r")
         self.suffix_array = np.memmap(self.path / "sa.bin", dtype=header.sa_dtype, mode="r")
         self.num_tokens = len(self.tokens)
