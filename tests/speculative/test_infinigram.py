@@ -335,6 +335,9 @@ def test_an_index_with_files_of_the_wrong_size_is_refused(small_index):
     (index.path / "first.npy").write_bytes(b"\x93NUMPY")
     with pytest.raises(ValueError, match=r"first\.npy cannot be read"):
         InfinigramIndex(index.path)
+    (index.path / "first.npy").write_bytes(b"")  # a download cut short: numpy raises EOFError
+    with pytest.raises(ValueError, match=r"first\.npy cannot be read"):
+        InfinigramIndex(index.path)
 
 
 def test_index_build_cli_errors_are_one_line_and_come_before_loading(tmp_path, capsys):

@@ -266,7 +266,7 @@ class InfinigramIndex:
                 )
         try:  # mapped: a crafted header's shape is checked against the file's size, not allocated first
             self.first = np.load(self.path / "first.npy", mmap_mode="r")
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, EOFError) as err:  # EOFError: an empty file
             raise ValueError(f"index {self.path}: first.npy cannot be read ({err}){rebuild}") from None
         if not isinstance(self.first, np.ndarray):  # a zip (`.npz`) loads as a lazy archive of arrays
             self.first.close()
