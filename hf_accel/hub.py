@@ -330,11 +330,13 @@ def write_model_card(
 
 
 def _auto_map_files(config) -> set[str]:
-    """The module files named by a config's `auto_map` (local references only, not `repo--module.Class`)."""
+    """The module files named by a config's `auto_map` (local references only, not `repo--module.Class`). A reference
+    is `module.Class`, the module a file beside the config, as transformers reads it: one naming a path (`/...`,
+    `../...`: a crafted config.json) names no file, so nothing outside the model's code folder is copied."""
     names = set()
     for value in (getattr(config, "auto_map", None) or {}).values():
         for ref in value if isinstance(value, (list, tuple)) else [value]:
-            if ref and "--" not in ref:
+            if isinstance(ref, str) and "--" not in ref and re.fullmatch(r"[\w-]+\.\w+", ref):
                 names.add(ref.rsplit(".", 1)[0] + ".py")
     return names
 

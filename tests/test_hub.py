@@ -655,6 +655,30 @@ def test_auto_map_files_are_the_local_modules_only():
     assert _auto_map_files(SimpleNamespace()) == set()
 
 
+def test_an_auto_map_naming_a_path_copies_nothing_from_outside(tmp_path):
+    """`auto_map` comes from a checkpoint's config.json, written by whoever published it: a reference naming a path
+    (absolute, or `../` out of the model's code folder) copied a `.py` file from anywhere on this machine into the
+    artifact, to be pushed with it. transformers reads only `module.Class` there, the module a file beside the
+    config."""
+    import inspect
+
+    from tests.conftest import make_tiny_llama
+
+    secret = tmp_path / "private" / "secret_settings.py"
+    secret.parent.mkdir()
+    secret.write_text("TOKEN = 'hf_private'\n")
+    model = make_tiny_llama()
+    code_dir = Path(inspect.getfile(type(model))).parent
+    model.config.auto_map = {
+        "AutoConfig": f"{secret.with_suffix('')}.Config",
+        "AutoModelForCausalLM": f"{os.path.relpath(secret.with_suffix(''), code_dir)}.Model",
+    }
+    deep = tmp_path.joinpath(*["d"] * len(code_dir.parts))  # `../` counted from the code folder leads elsewhere here
+    out = save_artifact(deep / "artifact", "converted-model", "org/base", model=model)
+    assert not (out / "secret_settings.py").exists()
+    assert "hf_private" not in "".join(p.read_text(errors="ignore") for p in out.rglob("*") if p.is_file())
+
+
 def test_published_name_names_a_local_input_by_its_own_name(tmp_path, monkeypatch):
     # `--dataset_name .` (the data in the working directory) was published with an empty name
     from hf_accel.hub import published_name
