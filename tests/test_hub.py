@@ -353,6 +353,46 @@ def test_a_drafter_artifact_runs_on_a_remote_code_model_without_asking_on_the_te
     assert torch.equal(plain, ours)
 
 
+PINNED_REMOTE_MODEL_WITH_DRAFTER = """
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("org/remote", revision={commit!r}, trust_remote_code=True)
+inputs = AutoTokenizer.from_pretrained({base!r})(["abcabcab", "xyzxyzxy"], return_tensors="pt", padding=True)
+plain = model.generate(**inputs, do_sample=False, max_new_tokens=16)
+ours = model.generate(**inputs, do_sample=False, max_new_tokens=16, custom_generate={artifact!r}, trust_remote_code=True)
+assert torch.equal(plain, ours), (plain, ours)
+"""
+
+
+def test_a_drafter_artifact_runs_no_tokenizer_code_the_user_did_not_trust(tmp_path):
+    """`trust_remote_code=True` for a model pinned to a reviewed commit trusts that commit's modeling code. The drafter
+    read the model repository's tokenizer at its latest commit with `trust_remote_code=True` too, so code pushed there
+    later (or a tokenizer `auto_map` naming another repository) ran inside `generate` without the user agreeing."""
+    _, _, base, artifact = _tiny_index_artifact(tmp_path)
+    cache, ran = tmp_path / "hub", tmp_path / "tokenizer-code-ran"
+    reviewed = write_tiny_remote_model(tmp_path / "reviewed")
+    populate_hub_cache(reviewed, "org/remote", cache_dir=cache, commit_hash="a" * 40)
+    later = tmp_path / "later"
+    shutil.copytree(reviewed, later)
+    (later / "tokenization_later.py").write_text(
+        f"open({str(ran)!r}, 'w').close()\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass LaterTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    config = json.loads((later / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_later.LaterTokenizer"]}
+    (later / "tokenizer_config.json").write_text(json.dumps(config))
+    populate_hub_cache(later, "org/remote", cache_dir=cache, commit_hash="b" * 40)  # now `main`
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    script = PINNED_REMOTE_MODEL_WITH_DRAFTER.format(commit="a" * 40, base=str(base), artifact=str(artifact))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert not ran.exists()
+
+
 def test_a_published_drafter_artifact_runs_from_generate_by_repo_id(tmp_path):
     _, _, base, artifact = _tiny_index_artifact(tmp_path)
     cache = tmp_path / "hub"

@@ -38,9 +38,10 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
     if drafter is None:
         if tokenizer is None:
             try:
-                tokenizer = AutoTokenizer.from_pretrained(
-                    model.name_or_path, trust_remote_code=_runs_repository_code(model)
-                )
+                # never the repository's own tokenizer code: the model's trust covers its modeling code at the
+                # revision it was loaded from, which the model does not record (a checkpoint's tokenizer is a library
+                # class; one that needs code is one clear error asking for `tokenizer=`, not a prompt)
+                tokenizer = AutoTokenizer.from_pretrained(model.name_or_path, trust_remote_code=False)
             except (OSError, ValueError) as err:
                 raise ValueError(
                     f"cannot load the tokenizer of {model.name_or_path!r} to check the drafter against it: pass "
@@ -62,9 +63,3 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
         criteria.append(StopStringCriteria(call_tokenizer, stop_strings))
         kwargs["stopping_criteria"] = criteria
     return GenerationMixin.generate(model, *args, custom_generate=custom_generate, drafter=drafter, **kwargs)
-
-
-def _runs_repository_code(model) -> bool:
-    """Whether the model's class is its repository's own code (loaded with `trust_remote_code=True`, e.g. a CARE or
-    Palu checkpoint): its tokenizer is read under that same trust, not after transformers asks on the terminal."""
-    return type(model).__module__.startswith("transformers_modules")
