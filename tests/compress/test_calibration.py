@@ -74,34 +74,33 @@ def test_calibration_ids_must_be_rows():
         collect_kv_calibration(model, torch.arange(3, 7)[:, None], with_output_grads=True, progress=False)
 
 
-def test_no_gradient_accumulators_without_gradients(monkeypatch):
+@pytest.fixture
+def allocated(monkeypatch) -> list:
+    """Every tensor `torch.zeros` makes while the test runs (the calibration's accumulators)."""
+    made, zeros = [], torch.zeros
+
+    def recording_zeros(*args, **kwargs):
+        made.append(zeros(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(torch, "zeros", recording_zeros)
+    return made
+
+
+def test_no_gradient_accumulators_without_gradients(allocated):
     """Without `with_output_grads` only the input statistics are allocated: the two `[g·d, g·d]` float64 gradient
     accumulators per layer (8.6 GB at Llama-2-7B's shapes) were made and never used."""
     model = make_tiny_llama()
-    allocated, zeros = [], torch.zeros
-
-    def recording_zeros(*args, **kwargs):
-        allocated.append(zeros(*args, **kwargs))
-        return allocated[-1]
-
-    monkeypatch.setattr(torch, "zeros", recording_zeros)
     ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(0))
     collect_kv_calibration(model, ids, progress=False)
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     assert sum(t.numel() for t in allocated if t.dtype == torch.float64) == layers * (hidden * hidden + hidden)
 
 
-def test_statistics_are_averaged_in_place(monkeypatch):
+def test_statistics_are_averaged_in_place(allocated):
     """The returned averages are the accumulators themselves: a divided copy held every layer's `[hidden, hidden]`
     float64 moments twice at the end of the calibration (80 GB at a 70B model's shapes)."""
     model = make_tiny_llama()
-    allocated, zeros = [], torch.zeros
-
-    def recording_zeros(*args, **kwargs):
-        allocated.append(zeros(*args, **kwargs))
-        return allocated[-1]
-
-    monkeypatch.setattr(torch, "zeros", recording_zeros)
     ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(0))
     cal = collect_kv_calibration(model, ids, with_output_grads=True, progress=False)
     returned = cal.moments + cal.abs_means + cal.k_grad_moments + cal.v_grad_moments

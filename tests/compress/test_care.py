@@ -622,33 +622,43 @@ def test_the_calibration_seed_is_part_of_the_published_record(tmp_path):
     assert "seed 7" in (tmp_path / "out" / "README.md").read_text()
 
 
-def test_full_rank_factors_are_freed_before_the_converted_model_is_built(monkeypatch):
-    """The original and the converted model coexist while the latter is built (the conversion's peak); the full-rank
-    float64 factors (33 GB at Llama-2-7B's shapes) are cut to their ranks before that, as Palu's are, and the
-    conversion is unchanged."""
+def alive_at_build(monkeypatch, name: str, tensors_of) -> tuple[list, list]:
+    """Watches `hf_accel.compress.care.<name>`: weak references to `tensors_of(its result)`, and, when the converted
+    model is built (the conversion's peak), those still alive."""
     import gc
     import weakref
 
     from hf_accel.compress import care
 
+    watched, alive = [], []
+    function = getattr(care, name)
+
+    def watching(*args, **kwargs):
+        result = function(*args, **kwargs)
+        watched.extend(weakref.ref(t) for t in tensors_of(result))
+        return result
+
+    def build_and_check(*args, **kwargs):
+        gc.collect()
+        alive.extend(ref for ref in watched if ref() is not None)
+        return build_care_model(*args, **kwargs)
+
+    monkeypatch.setattr(care, name, watching)
+    monkeypatch.setattr(care, "build_care_model", build_and_check)
+    return watched, alive
+
+
+def test_full_rank_factors_are_freed_before_the_converted_model_is_built(monkeypatch):
+    """The original and the converted model coexist while the latter is built (the conversion's peak); the full-rank
+    float64 factors (33 GB at Llama-2-7B's shapes) are cut to their ranks before that, as Palu's are, and the
+    conversion is unchanged."""
     model = make_tiny("llama")
     calibration = tiny_calibration(model)
     config = CareConversionConfig(kv_keep=0.5)
     expected = run_care_conversion(model, None, config, calibration, False).model.state_dict()
-    full_rank, alive = [], []
-
-    def factorize_and_watch(*args, **kwargs):
-        factors = factorize_kv(*args, **kwargs)
-        full_rank.extend(weakref.ref(t) for pair in factors for f in pair for t in (f.down, f.up))
-        return factors
-
-    def build_and_check(*args, **kwargs):
-        gc.collect()
-        alive.extend(ref for ref in full_rank if ref() is not None)
-        return build_care_model(*args, **kwargs)
-
-    monkeypatch.setattr(care, "factorize_kv", factorize_and_watch)
-    monkeypatch.setattr(care, "build_care_model", build_and_check)
+    full_rank, alive = alive_at_build(
+        monkeypatch, "factorize_kv", lambda factors: [t for pair in factors for f in pair for t in (f.down, f.up)]
+    )
     converted = run_care_conversion(model, None, config, calibration, False).model
     assert full_rank and not alive
     for name, tensor in converted.state_dict().items():
@@ -696,27 +706,9 @@ def test_float64_results_of_every_layer_are_not_held_until_the_converted_weights
 def test_a_calibration_made_by_the_conversion_is_freed_before_the_converted_model_is_built(monkeypatch):
     # CareResult kept the whole calibration (float64 [hidden, hidden] moments: 4.3 GB at Llama-3-8B's shapes) through
     # the build, the conversion's peak; only its description is published
-    import gc
-    import weakref
-
-    from hf_accel.compress import care
     from tests.tiny_checkpoints import make_char_tokenizer
 
-    made, alive = [], []
-    prepare = care.prepare_calibration
-
-    def prepare_and_watch(*args, **kwargs):
-        calibration = prepare(*args, **kwargs)
-        made.append(weakref.ref(calibration))
-        return calibration
-
-    def build_and_check(*args, **kwargs):
-        gc.collect()
-        alive.extend(ref for ref in made if ref() is not None)
-        return build_care_model(*args, **kwargs)
-
-    monkeypatch.setattr(care, "prepare_calibration", prepare_and_watch)
-    monkeypatch.setattr(care, "build_care_model", build_and_check)
+    made, alive = alive_at_build(monkeypatch, "prepare_calibration", lambda calibration: calibration.moments)
     model = make_tiny("llama", vocab_size=128)
     config = CareConversionConfig(kv_keep=0.5, method="care-u")
     result = run_care_conversion(model, make_char_tokenizer(), config, None, False, num_samples=2, seq_len=8)
