@@ -24,7 +24,7 @@ from hf_accel.cli import OneLineErrorParser
 
 
 def main(argv=None) -> int:
-    from hf_accel.eval.prompts import load_prompts
+    from hf_accel.eval.prompts import encode_prompts, load_prompts
     from hf_accel.loading import load_model_and_tokenizer
     from hf_accel.speculative import custom_generate, engine
     from hf_accel.speculative.drafters import build_drafter
@@ -44,15 +44,14 @@ def main(argv=None) -> int:
         p.error("--batch-size must be at least 2 (a single row has no holes), --max-new-tokens and --reps at least 1")
 
     model, tokenizer = load_model_and_tokenizer(args.model)
-    tokenizer.padding_side = "left"
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit, offset=args.offset)
+    # tokenized as `bench generate` does (a chat template's BOS once, a raw prompt's tokenizer's)
     batches = [
-        tokenizer([q.text for q in prompts[i : i + args.batch_size]], return_tensors="pt", padding=True)
-        for i in range(0, len(prompts), args.batch_size)
+        encode_prompts(tokenizer, prompts[i : i + args.batch_size]) for i in range(0, len(prompts), args.batch_size)
     ]
     greedy = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "temperature": None, "top_k": None}
-    greedy["top_p"] = None
-    references = [model.generate(**inputs, **greedy) for inputs in batches]
+    greedy.update(top_p=None, pad_token_id=batches[0][1])
+    references = [model.generate(**inputs, **greedy) for inputs, _ in batches]
     kind, _, source = args.drafter.partition(":")
     close = engine._close_holes
     settings = {"closed": close, "kept": lambda state, cache: None}
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
             for name, function in settings.items():
                 engine._close_holes = function
                 start = time.perf_counter()
-                for inputs, reference in zip(batches, references):
+                for (inputs, _), reference in zip(batches, references):
                     out = model.generate(**inputs, **greedy, custom_generate=custom_generate, drafter=drafters[name])
                     if not torch.equal(out, reference):
                         raise SystemExit(f"output differs from plain greedy generate with holes {name}")
