@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -174,8 +175,9 @@ def give_usual_permissions(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     for entry in [path, *(path.rglob("*") if path.is_dir() and not path.is_symlink() else ())]:
-        if not entry.is_symlink():
-            entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
+        if not entry.is_symlink():  # directories and the owner's executables (a script) stay executable
+            executable = entry.is_dir() or entry.stat().st_mode & stat.S_IXUSR
+            entry.chmod((0o777 if executable else 0o666) & ~umask)
 
 
 @contextmanager
