@@ -313,7 +313,8 @@ def write_model_card(
         base_model=card_data.base_model,
         description=description,
         settings={_code_cell(key): _code_cell(value) for key, value in (settings or {}).items()},
-        eval_rows=[_eval_row(r) for r in card_data.eval_results or []],
+        eval_rows=[_eval_row(r) for r in card_data.eval_results or []],  # the shipped templates' table cells
+        eval_results=card_data.eval_results or [],  # as before, for a `template_dir` written against them
         kv_bytes_per_token=kv_bytes_per_token,
         base_kv_bytes_per_token=base_kv_bytes_per_token,
         kv_ratio=ratio,

@@ -808,3 +808,15 @@ def test_push_to_cache_prints_a_setting_that_works_from_any_directory(tmp_path, 
     setting = shlex.split(capsys.readouterr().out.split("load with ", 1)[1])[0]
     assert setting == f"HF_HUB_CACHE={tmp_path / 'my cache'}"
     assert (tmp_path / "my cache" / "models--org--tiny").is_dir()
+
+
+def test_a_custom_template_written_against_eval_results_still_gets_them(tmp_path):
+    # the shipped templates moved to escaped `eval_rows`; a user's `template_dir` lost its evaluation table silently
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "converted_model.md").write_text(
+        "---\n{{ card_data }}\n---\n{% for r in eval_results %}{{ r.metric_type }}={{ r.metric_value }}\n{% endfor %}"
+    )
+    result = {"metric_type": "perplexity", "metric_value": 9.5, "dataset_name": "wiki"}
+    write_model_card(tmp_path / "out", "converted-model", "org/base", eval_results=[result], template_dir=templates)
+    assert "perplexity=9.5" in (tmp_path / "out" / "README.md").read_text()
