@@ -126,7 +126,7 @@ def main():
             parser.error(
                 "nothing to index: every output is evaluated (lower --eval-last or add --index-other-records)"
             )
-        header, _ = build_index_from_documents(documents, tokenizer, tmp, ["simulation"])
+        header, _ = build_index_from_documents(documents, tokenizer, tmp, ["simulation"], progress=False)
         index = InfinigramIndex(tmp)
         keys, rows = list(grid), []
         summary = {"index_tokens": header.num_indexed_tokens, "index_outputs": len(build), "eval_outputs": len(held)}

@@ -105,3 +105,5 @@ def test_index_build_shows_the_documents_it_has_indexed(tmp_path, capsys):
     documents = ([3, 7, i % 50] for i in range(5))  # a generator, as the CLI's text and dataset sources are
     build_index(documents, tmp_path / "idx", "tiny", "hash", 100)
     assert "indexing: 5doc" in capsys.readouterr().err
+    header = build_index(([3, 7, i] for i in range(5)), tmp_path / "idx", "tiny", "hash", 100, progress=False)
+    assert capsys.readouterr().err == "" and header.num_documents == 5  # a library caller can turn it off

@@ -359,7 +359,7 @@ def pieces_within_vocabulary(documents: Iterable[Sequence[int]], vocab_size: int
 
 
 def build_index_from_documents(
-    documents, tokenizer, out_dir: str | Path, sources: list, tokenizer_name: str | None = None
+    documents, tokenizer, out_dir: str | Path, sources: list, tokenizer_name: str | None = None, progress: bool = True
 ) -> tuple[IndexHeader, float]:
     """Builds the index and returns `(header, seconds spent building)`.
 
@@ -374,7 +374,7 @@ def build_index_from_documents(
     name = published_name(tokenizer_name or name)
     inputs_s = [0.0]
     start = time.perf_counter()
-    header = build_index(_timed(documents, inputs_s), out_dir, name, vocab_hash, vocab_size, sources=sources)
+    header = build_index(_timed(documents, inputs_s), out_dir, name, vocab_hash, vocab_size, sources, progress)
     return header, time.perf_counter() - start - inputs_s[0]
 
 

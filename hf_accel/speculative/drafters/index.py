@@ -80,6 +80,7 @@ def build_index(
     vocab_hash: str,
     vocab_size: int,
     sources: list | None = None,
+    progress: bool = True,
 ) -> IndexHeader:
     """Writes an index over token-id documents.
 
@@ -92,6 +93,7 @@ def build_index(
         out_dir (`str` or `Path`): directory to create (files are replaced).
         tokenizer_name (`str`), vocab_hash (`str`), vocab_size (`int`): from [`tokenizer_fingerprint`].
         sources (`list`, *optional*): free-form provenance written to the header.
+        progress (`bool`, *optional*, defaults to `True`): show the documents' progress bar.
 
     Returns:
         [`IndexHeader`]
@@ -101,8 +103,8 @@ def build_index(
     # the old header goes first and the new one last: an interrupted rebuild (or a bad document found half way)
     # does not load, rather than pairing new tokens with an old suffix array
     with staged_files(out_dir, last=("header.json",)) as tmp:
-        documents = progress_bar(documents, desc="indexing", unit="doc")
-        num_tokens, num_documents = write_token_stream(documents, tmp / "tokens.u32", vocab_size)
+        with progress_bar(documents, progress, desc="indexing", unit="doc") as counted:  # closed on a bad document
+            num_tokens, num_documents = write_token_stream(counted, tmp / "tokens.u32", vocab_size)
         sa_dtype = "int32" if num_tokens < 2**31 else "int64"
         header = IndexHeader(
             tokenizer_name, vocab_hash, int(vocab_size), num_tokens, num_documents, sa_dtype, sources or []
