@@ -126,6 +126,14 @@ def sample_accept_tree(
         path.append(node)
 
 
+def gumbel_scores(scores: torch.Tensor, seed: int, rows: list[int], positions: list[int]) -> torch.Tensor:
+    """`log_softmax(scores) + noise` `[K, V]` with [`position_gumbel_noise`] keyed by `(seed, row, position)`: its
+    argmax is the token sampled at that output position. The engine picks with it and `assisted_generate` hands it to
+    transformers' greedy loop, so both sample the same text."""
+    noise = position_gumbel_noise(seed, rows, positions, scores.shape[-1], device=scores.device)
+    return torch.log_softmax(scores.float(), dim=-1) + noise
+
+
 def position_gumbel_noise(
     seed: int, rows: list[int], positions: list[int], vocab_size: int, device=None
 ) -> torch.Tensor:

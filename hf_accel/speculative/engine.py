@@ -89,7 +89,7 @@ from transformers.generation import (
     TypicalLogitsWarper,
 )
 
-from .acceptance import greedy_accept, match_draft_vocab, position_gumbel_noise, sample_accept_tree
+from .acceptance import greedy_accept, gumbel_scores, match_draft_vocab, sample_accept_tree
 from .cache import select_cache_positions, select_cache_rows, validate_cache_for_speculation
 from .tree import (
     DraftTree,
@@ -519,10 +519,9 @@ class SpeculativeEngine:
 
     def _pick(self, scores, rows, positions):
         """The token each of `scores` `[K, V]` picks: the argmax, or, sampling, the Gumbel-max sample keyed by the
-        token's row and position ([`position_gumbel_noise`])."""
+        token's row and position ([`gumbel_scores`])."""
         if self.do_sample:
-            noise = position_gumbel_noise(self.noise_seed, rows.tolist(), positions.tolist(), scores.shape[-1])
-            return (torch.log_softmax(scores, dim=-1) + noise.to(scores.device)).argmax(-1)
+            return gumbel_scores(scores, self.noise_seed, rows.tolist(), positions.tolist()).argmax(-1)
         return scores.argmax(-1)
 
     # ------------------------------------------------------------------------------------------- verification pass

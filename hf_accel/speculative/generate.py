@@ -33,7 +33,7 @@ from transformers.generation import (
     SynthIDTextWatermarkLogitsProcessor,
 )
 
-from .acceptance import position_gumbel_noise
+from .acceptance import gumbel_scores
 from .engine import (
     DraftRequest,
     SpeculativeEngine,
@@ -419,7 +419,7 @@ def _check_assisted_loop(model) -> None:
 class _PositionSampling(LogitsProcessor):
     """The last processor of a sampled [`assisted_generate`] call, whose loop then picks greedily: the scores become
     `log_softmax(scores)` plus Gumbel noise keyed by a seed drawn from torch's generator and the output position
-    ([`position_gumbel_noise`], row 0, position counted without the prompt's `padding`), so the argmax is the sample
+    ([`gumbel_scores`], row 0, position counted without the prompt's `padding`), so the argmax is the sample
     hf-accel's engine draws there, whatever the draft."""
 
     def __init__(self, padding: int = 0):
@@ -428,8 +428,7 @@ class _PositionSampling(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         position = input_ids.shape[1] - self.padding
-        noise = position_gumbel_noise(self.seed, [0] * len(scores), [position] * len(scores), scores.shape[-1])
-        return torch.log_softmax(scores.float(), dim=-1) + noise.to(scores.device)
+        return gumbel_scores(scores, self.seed, [0] * len(scores), [position] * len(scores))
 
 
 _assisted_call = threading.local()  # `.generator`: the candidate generator of this thread's `assisted_generate`
