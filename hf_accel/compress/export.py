@@ -107,7 +107,7 @@ def load_converted_state(converted, state: dict, source, converter: str):
     import copy
 
     dtype = next(source.parameters()).dtype
-    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+    state = {k: as_converted(v, dtype) for k, v in state.items()}
     for name, tensor in state.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(
