@@ -220,7 +220,8 @@ def _absorbed_o_proj(o_weight, o_bias, v_up, v_bias, num_heads, num_kv_heads, he
 
 
 def build_care_model(model, factors, k_ranks, v_ranks, absorb_value: bool = False):
-    """Builds the `Care*ForCausalLM` with the truncated factors; every other weight is copied from `model`.
+    """Builds the `Care*ForCausalLM` with the truncated factors; every other weight is `model`'s own
+    ([`load_converted_state`]).
 
     Args:
         model (`PreTrainedModel`): the original GQA model.
@@ -401,7 +402,8 @@ def convert_care(
     """Converts a GQA causal LM (Llama, Mistral, Qwen2, Qwen3) into a CARE MLA model that caches K/V latents.
 
     Args:
-        model (`PreTrainedModel`): the original model (left unchanged).
+        model (`PreTrainedModel`): the original model, left unchanged; the result shares the weights it keeps
+            with it (train a `copy.deepcopy` to keep both).
         tokenizer (`PreTrainedTokenizer`, *optional*): needed unless `calibration` is given or `method="svd"`.
         kv_keep (`float`, *optional*, defaults to 0.5): fraction of the K+V cache width kept, in (0, 1].
         method (`str`, *optional*, defaults to `"care"`): one of `care`, `care-u`, `care-e-raw`, `care-e-rel`,

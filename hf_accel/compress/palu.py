@@ -372,7 +372,8 @@ def palu_config_from(model, group_size, k_ranks, v_ranks, conversion: PaluConver
 
 def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluConversionConfig):
     """
-    Build the `PaluLlamaForCausalLM` from per-layer group factors; every other weight is copied from `model`.
+    Build the `PaluLlamaForCausalLM` from per-layer group factors; every other weight is `model`'s
+    own ([`load_converted_state`]).
 
     Args:
         model (`PreTrainedModel`): the original Llama model.
@@ -442,7 +443,8 @@ def convert_palu(
     Convert a Llama-family causal LM to Palu (spec 002): grouped low-rank K/V that cache latents.
 
     Args:
-        model (`PreTrainedModel`): the original model (not modified).
+        model (`PreTrainedModel`): the original model, left unchanged; the result shares the weights it keeps
+            with it (train a `copy.deepcopy` to keep both).
         tokenizer (`PreTrainedTokenizerBase`): its tokenizer (for the calibration text).
         kv_keep (`float`, *optional*, defaults to 0.5): fraction of the K+V cache width kept, in (0, 1].
         group_size (`int`, *optional*): KV heads per group (must divide `num_key_value_heads`); defaults to the
