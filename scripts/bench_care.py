@@ -68,7 +68,13 @@ def cached(path: str | None, settings: dict, make):
 
 
 def main(argv=None) -> int:
-    from hf_accel.compress.care_bench import benchmark_care, calibrate_mixed, format_table, generated_text, split_text
+    from hf_accel.eval.care_quality import (
+        benchmark_care,
+        calibrate_mixed,
+        format_care_table,
+        generated_text,
+        split_text,
+    )
     from hf_accel.loading import load_model_and_tokenizer
 
     args = parse_args(argv)
@@ -113,7 +119,7 @@ def main(argv=None) -> int:
     if args.json:
         print_json(report)
     else:
-        print(format_table(report, list(eval_texts)))
+        print(format_care_table(report, list(eval_texts)))
         print(f"calibration: {report['calibration']} in {report['calibration_seconds']} s (shared by all methods)")
     return 0
 

@@ -47,7 +47,7 @@ def self_distilled_responses() -> list[str]:
 
 
 def main(argv=None) -> int:
-    from hf_accel.compress.care_bench import generated_text, split_text
+    from hf_accel.eval.care_quality import generated_text, split_text
     from hf_accel.eval.prompts import load_prompts
     from hf_accel.loading import load_model_and_tokenizer
 

@@ -184,9 +184,9 @@ def run_palu_quality_benchmark(
     """
     from ..compress.calibration import collect_kv_calibration, generate_calibration_ids
     from ..compress.care import convert_care
-    from ..compress.care_bench import EVAL_PROMPTS, mixed_calibration_ids
     from ..compress.fisher import collect_fisher_scores
     from ..compress.palu import convert_palu
+    from .care_quality import EVAL_PROMPTS, mixed_calibration_ids
 
     config = config or PaluBenchConfig()
     _check_residual_lengths(config)

@@ -220,7 +220,7 @@ def test_convert_care_cli(tmp_path, tiny_dir_with_tokenizer, calib, capsys):
 @pytest.mark.slow
 def test_default_model_full_rank_and_cache_bytes(default_model):
     """SmolLM2-135M: full-rank CARE reproduces the logits; at kv-keep 0.5 the measured cache is half the original's."""
-    from hf_accel.compress.care_bench import measured_cache_bytes_per_token
+    from hf_accel.eval.care_quality import measured_cache_bytes_per_token
 
     model, tokenizer = default_model
     ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 8, return_tensors="pt")["input_ids"]

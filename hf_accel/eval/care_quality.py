@@ -10,15 +10,15 @@ import time
 
 import torch
 
-from ..eval.memory import measure_cache_bytes_per_token
-from .calibration import (
+from ..compress.calibration import (
     CALIBRATION_PROMPTS,
     KvCalibration,
     collect_kv_calibration,
     generate_calibration_ids,
     tokenize_calibration_text,
 )
-from .care import CareConversionConfig, run_care_conversion
+from ..compress.care import CareConversionConfig, run_care_conversion
+from .memory import measure_cache_bytes_per_token
 
 
 # Held-out prompts for the generated evaluation text (disjoint from CALIBRATION_PROMPTS).
@@ -136,7 +136,7 @@ def benchmark_care(
     return report
 
 
-def format_table(report: dict, eval_names) -> str:
+def format_care_table(report: dict, eval_names) -> str:
     """A Markdown table of a [`benchmark_care`] report."""
     head = "| kv-keep | method | " + " | ".join(f"ppl {n}" for n in eval_names) + " | KV bytes/token | factorize s |"
     lines = [head, "|" + "---|" * (4 + len(eval_names))]
