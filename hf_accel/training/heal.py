@@ -207,12 +207,25 @@ class HealingArguments(TrainingArguments):
             )
 
 
+def _check_teacher_apart(student, teacher) -> None:
+    """Refuses a teacher that holds weights the student trains: a converted model shares the weights it keeps with its
+    source ([`~hf_accel.compress.export.load_converted_state`]), so healing it against that source in one process
+    would move the teacher with every step."""
+    trained = {p.data_ptr() for p in student.parameters() if p.requires_grad}
+    if any(p.data_ptr() in trained for p in teacher.parameters()):
+        raise ValueError(
+            "the teacher shares weights with the student (a converted model shares what it keeps with its source): "
+            "pass `teacher_model=copy.deepcopy(source)`"
+        )
+
+
 class HealingTrainer(Trainer):
     """A [`~transformers.Trainer`] whose loss is `CE + β τ² KL(teacher ‖ student)` (see [`compute_healing_loss`]).
 
     Args:
         teacher_model (`PreTrainedModel`, *optional*): the frozen original model; moved to the training device and
-            put in eval mode. `None` trains with cross-entropy only.
+            put in eval mode. `None` trains with cross-entropy only. It must not hold weights the student trains:
+            a model converted in this process shares what it keeps with its source, so pass a copy of the source.
         kd_temperature (`float`, *optional*, defaults to 4.0): τ.
         kd_beta (`float`, *optional*, defaults to 0.5): β.
         args, kwargs: as for [`~transformers.Trainer`]; `train_dataset` rows need `input_ids` and the collator must
@@ -225,6 +238,7 @@ class HealingTrainer(Trainer):
         self.teacher_model = teacher_model
         if teacher_model is not None:
             self.teacher_model = teacher_model.to(self.args.device).eval().requires_grad_(False)
+            _check_teacher_apart(self.model, self.teacher_model)
         # Our loss always divides by `num_items_in_batch` when given, so let the Trainer count it and not also
         # divide by the accumulation steps (see Trainer.training_step).
         self.model_accepts_loss_kwargs = True

@@ -1036,3 +1036,24 @@ def test_a_healed_card_keeps_the_conversions_settings_kv_bytes_and_ranks_plot(ch
     assert len(rows) == 6 and all(row in after for row in rows)  # settings and bytes per token, as converted
     assert "`healing_kd_beta` | `0.5`" in after and "care_ranks.png" in after
     assert _carry_conversion_record(source, tmp_path / "plain") == {"ranks_plot": None}  # not converted: nothing
+
+
+def test_a_teacher_sharing_weights_with_the_student_is_refused(tmp_path):
+    """A converted model shares the weights it keeps with its source: healing it against that same source object
+    trained the teacher's MLPs along with the student's, so the distillation target moved with every step."""
+    import copy
+
+    from transformers import TrainingArguments
+
+    from hf_accel.compress.care import convert_care
+    from hf_accel.training.heal import HealingTrainer
+    from tests.compress.care_helpers import make_tiny
+
+    source = make_tiny("llama")
+    student = convert_care(source, kv_keep=0.5, method="svd", progress=False)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="teacher shares weights with the student"):
+        HealingTrainer(model=student, args=args, teacher_model=source)
+    HealingTrainer(model=student, args=args, teacher_model=copy.deepcopy(source))
+    student.requires_grad_(False)  # nothing trained is shared (e.g. LoRA adapters only): nothing to refuse
+    HealingTrainer(model=student, args=args, teacher_model=source)
