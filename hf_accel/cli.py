@@ -32,6 +32,64 @@ def user_path(value: str) -> str:
     return prefix + os.path.expanduser(value[len(prefix) :])
 
 
+def device_name(value: str) -> str:
+    """`--device` (`type=` of its argument): a device this machine has, as torch names it (`cpu`, `cuda`, `cuda:1`,
+    `mps`, `xpu`); anything else is refused while parsing, before a model loads."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a device: {value!r} (e.g. cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cpu":
+        return value
+    backend = getattr(torch, device.type, None)
+    if not hasattr(backend, "is_available") or not hasattr(backend, "device_count"):
+        raise argparse.ArgumentTypeError(f"{value!r}: models run on cpu, cuda, mps or xpu devices")
+    if not backend.is_available():
+        raise argparse.ArgumentTypeError(f"{value!r}: no {device.type} device is available on this machine")
+    if device.index is not None and device.index >= backend.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: this machine has {backend.device_count()} {device.type} device(s)"
+        )
+    return value
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_model_placement_options(parser) -> None:
+    """`--device` and `--dtype`: where a command's model runs and in which precision (read by [`model_placement`])."""
+    parser.add_argument(
+        "--device", type=device_name, default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, mps, ..."
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="the model's weights and compute (default: float32)"
+    )
+
+
+def model_placement(args) -> dict:
+    """`load_model_and_tokenizer` keyword arguments for `--device` and `--dtype`: loaded straight onto the device
+    (no CPU copy first), and the CPU default exactly as without them."""
+    import torch
+
+    placement = {"dtype": getattr(torch, args.dtype)}
+    if args.device != "cpu":
+        placement["device_map"] = args.device
+    return placement
+
+
+def placement_record(args) -> dict:
+    """`--device` and `--dtype` as a command's JSON reports them, with the accelerator's name (a speed or a perplexity
+    is a figure of one device and dtype)."""
+    import torch
+
+    record = {"device": args.device, "dtype": args.dtype}
+    if torch.device(args.device).type == "cuda":
+        record["device_name"] = torch.cuda.get_device_name(torch.device(args.device))
+    return record
+
+
 def strict_json(obj, indent: int | None = None) -> str:
     """`obj` as strict JSON text, non-finite numbers as `null` (for `--json` output and the JSON files we write)."""
     return json.dumps(finite_or_null(obj), indent=indent, allow_nan=False)

@@ -2,7 +2,7 @@
 
 import argparse
 
-from ..cli import user_path
+from ..cli import add_model_placement_options, model_placement, user_path
 
 
 def add_cli(commands) -> argparse.ArgumentParser:
@@ -25,6 +25,7 @@ def _add_care(converters) -> None:
         "care", help="CARE: GQA → MLA with covariance-weighted SVD and water-filling ranks (caches latents)"
     )
     care.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
+    add_model_placement_options(care)
     care.add_argument("--kv-keep", type=float, required=True, help="fraction of the K+V cache kept, in (0, 1]")
     care.add_argument("--method", default="care", choices=METHODS, help="factorization + rank allocation")
     care.add_argument(
@@ -67,7 +68,7 @@ def run_convert_care(args) -> int:
     check_source_model(args.model, source)
     base_model = card_base_model(args.base_model or args.model)
     check_output_dir(args.out, args.overwrite)
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, **model_placement(args))
     result = run_care_conversion(
         model,
         tokenizer,
@@ -78,7 +79,7 @@ def run_convert_care(args) -> int:
         seq_len=args.calib_seq_len,
         seed=args.seed,
     )
-    result.model = to_checkpoint_dtype(result.model, source)  # converted in float32, saved like the original
+    result.model = to_checkpoint_dtype(result.model, source)  # converted in --dtype, saved like the original
     out = save_care_model(result, tokenizer, args.out, base_model, overwrite=args.overwrite)
     summary = dict(result.summary(), model=args.model, out=str(out))
     if args.json:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import user_path
+from ..cli import add_model_placement_options, model_placement, user_path
 from ..log import progress_bar
 from ..models.configuration_palu import KERNEL_BACKENDS
 from .calibration import (
@@ -742,6 +742,7 @@ def add_palu_parser(convert_commands) -> None:
     """Add the `palu` subcommand to the `convert` command's subparsers."""
     parser = convert_commands.add_parser("palu", help="Palu: grouped low-rank K/V latents, Fisher ranks, low-bit")
     parser.add_argument("--model", default="smollm2-135m", help="Hub id, local directory or smollm2-135m")
+    add_model_placement_options(parser)
     parser.add_argument("--kv-keep", type=float, required=True, help="fraction of the K+V cache width kept, (0, 1]")
     parser.add_argument(
         "--group-size", type=int, default=None,
@@ -805,7 +806,7 @@ def _run_convert_palu(args) -> int:
     check_source_model(args.model, source)
     base_model = card_base_model(args.base_model or args.model)
     out = check_output_dir(args.out, args.overwrite)
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, **model_placement(args))
     group_size = check_palu_model(model, conversion)  # before the (slow) calibration
     ids = load_calibration_ids(
         model, tokenizer, args.calib, args.calib_samples, args.calib_seq_len, seed=conversion.seed,

@@ -4,13 +4,14 @@ import argparse
 import math
 import sys
 
-from ..cli import print_json, user_path
+from ..cli import add_model_placement_options, model_placement, placement_record, print_json, user_path
 
 
 def add_cli(commands) -> None:
     evaluate = commands.add_parser("eval", help="measure model quality").add_subparsers(dest="what", required=True)
     ppl = evaluate.add_parser("ppl", help="perplexity over non-overlapping windows")
     ppl.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
+    add_model_placement_options(ppl)
     source = ppl.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", type=user_path, help="a plain UTF-8 text file")
     source.add_argument(
@@ -28,6 +29,7 @@ def add_cli(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark speed").add_subparsers(dest="what", required=True)
     gen = bench.add_parser("generate", help="tokens/s of generation methods side by side")
     gen.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
+    add_model_placement_options(gen)
     gen.add_argument(
         "--prompts", required=True, type=user_path, help="Spec-Bench JSONL file, `humaneval`, or a built-in set name"
     )
@@ -56,16 +58,18 @@ def _run_ppl(args: argparse.Namespace) -> int:
     for name in ("seq_len", "max_tokens", "batch_size"):
         _positive(name.replace("_", "-"), getattr(args, name))
     text = read_eval_text(args.text, args.dataset, args.split, args.text_column)
-    model, tokenizer = load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    model, tokenizer = load_model_and_tokenizer(
+        args.model, trust_remote_code=args.trust_remote_code, **model_placement(args)
+    )
     context = getattr(model.config, "max_position_embeddings", None)
     if context and args.seq_len > context:
         print(f"warning: --seq-len {args.seq_len} is past the model's {context} positions", file=sys.stderr)
-    result = {"model": args.model, "text": args.text or args.dataset}
+    result = {"model": args.model, "text": args.text or args.dataset, **placement_record(args)}
     result.update(compute_perplexity(model, tokenizer, text, args.seq_len, args.max_tokens, args.batch_size))
     if args.json:
         print_json(result)
     else:
-        print(f"model      {result['model']}\ntext       {result['text']}")
+        print(f"model      {result['model']}\ntext       {result['text']}\ndevice     {_placement(result)}")
         print(f"seq_len    {result['seq_len']}\ntokens     {result['tokens']}\nperplexity {result['ppl']:.3f}")
     return 0
 
@@ -86,9 +90,12 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise ValueError("--methods is empty")
     check_method_names(methods)
     load_prompts(args.prompts, None, args.limit, args.offset)  # a bad prompts file fails before the model loads
-    model, tokenizer = load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    model, tokenizer = load_model_and_tokenizer(
+        args.model, trust_remote_code=args.trust_remote_code, **model_placement(args)
+    )
     prompts = load_prompts(args.prompts, tokenizer, args.limit, args.offset)
     result = {"model": args.model, "prompt_source": args.prompts, "offset": args.offset, "limit": args.limit}
+    result.update(placement_record(args))
     result.update(
         bench_generate(
             model,
@@ -113,6 +120,12 @@ def _decoding(result: dict) -> str:
     return f"sampling, T = {result['temperature']:g}" if result.get("temperature") else "sampling"
 
 
+def _placement(result: dict) -> str:
+    """`cuda:0 (NVIDIA H100 80GB HBM3), bfloat16` from a result's `device`, `device_name` and `dtype`."""
+    name = f" ({result['device_name']})" if result.get("device_name") else ""
+    return f"{result.get('device', 'cpu')}{name}, {result.get('dtype', 'float32')}"
+
+
 def format_bench_table(result: dict) -> str:
     """A human table of a `bench generate` result: one row per method, then one per method × category."""
     width = max([28, *(len(m) + 2 for m in result["methods"])])  # index paths can be long
@@ -121,7 +134,7 @@ def format_bench_table(result: dict) -> str:
     lines = [
         (
             f"model {result['model']} · {result['prompts']} prompts · batch {result['batch_size']} · "
-            f"{_decoding(result)} · max_new_tokens {result['max_new_tokens']}"
+            f"{_decoding(result)} · max_new_tokens {result['max_new_tokens']} · {_placement(result)}"
         ),
         head,
         "-" * len(head),

@@ -6,7 +6,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..cli import user_path
+from ..cli import add_model_placement_options, model_placement, user_path
 
 
 def add_cli(commands) -> None:
@@ -19,6 +19,7 @@ def add_cli(commands) -> None:
         description="Builds an index; --text, --dataset and --self-distill combine: every source given is indexed.",
     )
     build.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
+    add_model_placement_options(build)  # the model runs only with --self-distill
     build.add_argument("--out", required=True, help="index directory to write")
     build.add_argument("--text", nargs="+", default=[], type=user_path, help="plain text files (one document each)")
     build.add_argument(
@@ -72,7 +73,9 @@ def _run_build(args) -> int:
     for name, offset, limit in prompt_sets:  # a bad slice, set name or file fails before the model loads
         load_prompts(name, None, limit=limit, offset=offset)
     if args.self_distill:
-        model, tokenizer = load_model_and_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+        model, tokenizer = load_model_and_tokenizer(
+            args.model, trust_remote_code=args.trust_remote_code, **model_placement(args)
+        )
     else:
         model, tokenizer = None, load_tokenizer(args.model, args.trust_remote_code)
     documents, sources = [], []  # iterables, consumed once as the index is written
