@@ -265,14 +265,23 @@ class DrafterCandidateGenerator(CandidateGenerator):
         vocab_size (`int`, *optional*): the target's input vocabulary; drafts of other ids are refused in one line.
         position_limit (`int`, *optional*): the target's [`~engine.draft_position_limit`]: no draft token is placed
             at or past it.
+        stopping_criteria (`StoppingCriteriaList`, *optional*): the call's criteria; a draft ends before the first
+            token at which they would stop (see [`_draft_length_before_stop`]).
     """
 
     def __init__(
-        self, drafter, generation_config, prompt_length: int, vocab_size: int | None = None, position_limit=None
+        self,
+        drafter,
+        generation_config,
+        prompt_length: int,
+        vocab_size: int | None = None,
+        position_limit=None,
+        stopping_criteria=None,
     ):
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.position_limit = position_limit
+        self.stopping_criteria = stopping_criteria
         self.generation_config = generation_config
         self.prompt_length = prompt_length
         self.drafter_time_s = 0.0
@@ -302,6 +311,8 @@ class DrafterCandidateGenerator(CandidateGenerator):
         chain = tree.input_ids[0, self._chain_nodes].tolist() if self._chain_nodes else []
         chain = torch.tensor([chain], dtype=torch.long, device=input_ids.device)
         check_draft_ids(chain, self.vocab_size)
+        keep = _draft_length_before_stop(self.stopping_criteria, input_ids, chain)
+        chain, self._chain_nodes = chain[:, :keep], self._chain_nodes[:keep]
         candidates = torch.cat([input_ids, chain], 1)
         self._pass_start = time.perf_counter()
         return candidates, None
@@ -321,6 +332,20 @@ class DrafterCandidateGenerator(CandidateGenerator):
                 pass_seconds=time.perf_counter() - self._pass_start,
             )
         )
+
+
+def _draft_length_before_stop(stopping_criteria, input_ids: torch.LongTensor, chain: torch.LongTensor) -> int:
+    """How many tokens of `chain` `[1, n]` may be drafted after `input_ids`: those before the first one at which the
+    stopping criteria would stop. transformers' assisted loop asks them once per pass, after appending every accepted
+    token, and a stop string ends only the text it is found at the end of: a draft running past a stop point was kept
+    and decoding went on. Cut there, the target's own token at that point is the pass's last (its bonus token), so
+    the loop stops where plain `generate` does."""
+    if not stopping_criteria:
+        return chain.shape[1]
+    for k in range(1, chain.shape[1] + 1):
+        if bool(stopping_criteria(torch.cat([input_ids, chain[:, :k]], 1), None).any()):
+            return k - 1
+    return chain.shape[1]
 
 
 def _first_chain(tree: DraftTree | None) -> list[int]:
@@ -369,7 +394,12 @@ def assisted_generate(
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)
     candidate_generator = DrafterCandidateGenerator(
-        drafter, generation_config, input_ids.shape[1], input_vocab_size(model), draft_position_limit(model)
+        drafter,
+        generation_config,
+        input_ids.shape[1],
+        input_vocab_size(model),
+        draft_position_limit(model),
+        stopping_criteria,
     )
     if generation_config.do_sample:
         # transformers samples every candidate position of a pass at once, so the randomness a pass takes from torch's

@@ -286,6 +286,47 @@ def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
     assert torch.equal(out, reference)
 
 
+@pytest.mark.parametrize("loop", [custom_generate, assisted_generate])
+def test_a_stop_point_inside_an_accepted_draft_ends_the_text_and_the_stream_there(tiny_llama, loop):
+    """A criterion that looks at the text's end, as a stop string does (`StopStringCriteria`, the way stop strings
+    reach a callable `custom_generate`): transformers' assisted loop asks it once per pass, after every accepted token,
+    so a stop point inside an accepted draft was never seen and decoding went on to `max_new_tokens`."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class EndsWith(StoppingCriteria):
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.tensor([row[-len(self.tokens) :].tolist() == self.tokens for row in input_ids])
+
+    class Collect:
+        def __init__(self):
+            self.tokens, self.ends = [], 0
+
+        def put(self, value):
+            self.tokens += value.flatten().tolist()
+
+        def end(self):
+            self.ends += 1
+
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    free = tiny_llama.generate(input_ids, max_new_tokens=24, do_sample=False)
+    kwargs = {
+        "max_new_tokens": 24,
+        "do_sample": False,
+        "stopping_criteria": StoppingCriteriaList([EndsWith(free[0, 12:14].tolist())]),
+    }
+    reference = tiny_llama.generate(input_ids, **kwargs)
+    assert reference.shape[1] <= 14  # plain `generate` stops at the pattern's first occurrence
+    for depth in (3, 8, 12):
+        streamer = Collect()
+        out = tiny_llama.generate(input_ids, **kwargs, custom_generate=loop, streamer=streamer,
+                                  drafter=ReferenceDrafter(free, depth=depth, corrupt_every=0))  # fmt: skip
+        assert torch.equal(out, reference)
+        assert streamer.tokens == reference[0].tolist() and streamer.ends == 1
+
+
 def test_transformers_assisted_loop_refuses_drafters_that_read_the_pass_in_one_line(tiny_llama):
     """transformers' assisted loop hands a drafter neither hidden states (CP heads, SpecFormer) nor the logits of
     auxiliary inputs (PPD): such a drafter failed with a KeyError of its own, or PPD's prompt tokens were dropped."""
