@@ -581,6 +581,27 @@ def test_repo_generate_turns_stop_strings_into_a_criterion(monkeypatch):
     assert repo_generate._drafters[model] == "a drafter"
 
 
+def test_repo_generate_honours_the_stop_strings_of_the_models_generation_config():
+    """Stop strings saved in a model's generation_config.json: plain `generate(tokenizer=...)` stops at them, and so
+    does the repository's generate.py. `generate` fills a call's config from the model's, so they reached transformers
+    without the tokenizer it had dropped: "could not locate a tokenizer", though the call passed one."""
+    from hf_accel.loading import load_tokenizer
+    from hf_accel.speculative import repo_generate
+    from hf_accel.speculative.drafters import InfinigramDrafter
+    from tests.conftest import make_tiny_llama
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    model = make_tiny_llama(vocab_size=len(tokenizer), initializer_range=0.5)
+    input_ids = tokenizer("the cat of line 3 is tac. the cat of line", return_tensors="pt")["input_ids"]
+    kwargs = {"max_new_tokens": 16, "do_sample": False, "tokenizer": tokenizer}
+    free = tokenizer.decode(model.generate(input_ids, **kwargs)[0, input_ids.shape[1] :])
+    model.generation_config.stop_strings = [free[len(free) // 2 :][:3]]
+    reference = model.generate(input_ids, **kwargs)
+    assert reference.shape[1] < input_ids.shape[1] + 16  # the stop string ends plain `generate`
+    out = repo_generate.generate(model, input_ids, drafter=InfinigramDrafter(None), **kwargs)
+    assert torch.equal(out, reference)
+
+
 def test_only_an_hf_accel_card_counts_as_ours(tmp_path):
     write_model_card(tmp_path / "ours", "converted-model", "smollm2-135m")
     (tmp_path / "theirs").mkdir()

@@ -56,6 +56,12 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
         config = copy.deepcopy(config)
         config.stop_strings = None
         kwargs["generation_config"] = config
+    # `generate` fills a config's unset fields from the model's own (its generation_config.json): only a call's
+    # `stop_strings=None` keeps the model's stop strings from reaching transformers without the tokenizer
+    model_stop_strings = getattr(getattr(model, "generation_config", None), "stop_strings", None)
+    if model_stop_strings:
+        stop_strings = stop_strings or model_stop_strings
+        kwargs["stop_strings"] = None
     if stop_strings:
         if call_tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: pass `tokenizer=` to `generate`")
