@@ -686,7 +686,7 @@ class SpeculativeEngine:
             new_tokens.append(kept)
             finished.append(done)
             if self.streamer is not None and kept:
-                self.streamer.put(torch.tensor(kept))
+                self.streamer.put(torch.tensor([kept]))  # [1, n], as transformers' assisted loop puts them
         return new_tokens, torch.tensor(finished, dtype=torch.bool, device=state.sequences.device)
 
     def _should_stop(self, sequences, row: int) -> bool:

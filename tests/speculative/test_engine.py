@@ -262,10 +262,11 @@ def test_seeded_sampled_text_of_the_assisted_loop_does_not_depend_on_the_drafts(
 def test_streamer_receives_exactly_the_output(tiny_llama):
     class Collect:
         def __init__(self):
-            self.tokens, self.ended = [], False
+            self.tokens, self.ended, self.shapes = [], False, []
 
         def put(self, value):
             self.tokens += value.flatten().tolist()
+            self.shapes.append(tuple(value.shape))
 
         def end(self):
             self.ended = True
@@ -276,6 +277,10 @@ def test_streamer_receives_exactly_the_output(tiny_llama):
     out = tiny_llama.generate(input_ids, max_new_tokens=12, streamer=streamer, custom_generate=custom_generate,
                               drafter=ReferenceDrafter(reference))  # fmt: skip
     assert streamer.ended and streamer.tokens == out[0].tolist() == reference[0].tolist()
+    # several tokens of one row come as `[1, n]`, as transformers' assisted loop puts them: a 1-D tensor is one token
+    # per row in `generate`'s own loop, so a batch-aware streamer read `[n]` as n rows
+    assert all(len(shape) == 2 and shape[0] == 1 for shape in streamer.shapes[1:])
+    assert any(shape[1] > 1 for shape in streamer.shapes[1:])
 
 
 def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
