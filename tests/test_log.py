@@ -107,3 +107,13 @@ def test_index_build_shows_the_documents_it_has_indexed(tmp_path, capsys):
     assert "indexing: 5doc" in capsys.readouterr().err
     header = build_index(([3, 7, i] for i in range(5)), tmp_path / "idx", "tiny", "hash", 100, progress=False)
     assert capsys.readouterr().err == "" and header.num_documents == 5  # a library caller can turn it off
+
+
+def test_self_distillation_bar_can_be_turned_off_by_a_library_caller(tiny, tmp_path, capsys):
+    """Every other long call takes `progress=`; self-distillation showed its bar whatever the caller asked."""
+    model, tokenizer = tiny
+    prompts = [BenchPrompt("0", "c", "hello"), BenchPrompt("1", "c", "cat")]
+    answers = self_distill(
+        model, tokenizer, prompts, tmp_path, max_new_tokens=2, use_speculation=False, progress=False
+    )
+    assert capsys.readouterr().err == "" and len(answers) == 2

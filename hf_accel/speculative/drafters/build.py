@@ -180,6 +180,7 @@ def self_distill(
     batch_size: int = 8,
     model_name: str = "",
     use_speculation: bool = True,
+    progress: bool = True,
 ) -> list[list[int]]:
     """Greedy answers of `model` to `prompts` (cached in `out_dir/self_distill.jsonl`); returns response token ids.
 
@@ -192,6 +193,7 @@ def self_distill(
         model_name (`str`, *optional*): part of the cache key.
         use_speculation (`bool`, *optional*, defaults to `True`): generate through hf-accel's engine with the
             context-only n-gram drafter (same greedy output, fewer target passes).
+        progress (`bool`, *optional*, defaults to `True`): a progress bar over the prompts still to answer.
     """
     cache_file = Path(out_dir) / SELF_DISTILL_CACHE
     records, num_lines = _read_self_distill_cache(cache_file)
@@ -216,7 +218,7 @@ def self_distill(
         extra = {"custom_generate": custom_generate, "drafter": InfinigramDrafter(None)}
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
-    with progress_bar(total=len(todo), desc="self-distill", unit="prompt") as bar:
+    with progress_bar(total=len(todo), progress=progress, desc="self-distill", unit="prompt") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             inputs, pad_token_id = encode_prompts(tokenizer, [p for _, p in batch])
