@@ -110,7 +110,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     from .compress.cli import add_cli as add_convert
-    from .compress.palu import add_cli as add_palu
     from .demo import add_cli as add_demo
     from .eval.cli import add_cli as add_eval
     from .hub import add_cli as add_hub
@@ -123,8 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_eval(commands)  # `eval ppl` and `bench generate`
     add_train(commands)  # `train heal`
     add_hub(commands)  # `push`
-    add_convert(commands)  # `convert care`
-    add_palu(commands)  # `convert palu`, in the same `convert` group
+    add_convert(commands)  # `convert care` and `convert palu`
     add_index(commands)  # `index build`
     return parser
 

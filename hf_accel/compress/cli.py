@@ -1,20 +1,18 @@
-"""`hf-accel convert ...`: the converters' command line (`convert care` here; Palu adds `convert palu`)."""
+"""`hf-accel convert care` and `hf-accel convert palu`: the converters' command line."""
 
 import argparse
+import sys
 
 from ..cli import add_model_placement_options, model_placement, user_path
 
 
 def add_cli(commands) -> argparse.ArgumentParser:
-    """Adds the `convert` command group to the top-level subparsers; returns its parser.
-
-    Other converters register beside CARE with `parser._convert_subcommands.add_parser(...)` or by extending
-    `_add_converters`.
-    """
+    """Adds the `convert` command group, one subcommand per converter, to the top-level subparsers; returns its
+    parser."""
     convert = commands.add_parser("convert", help="convert a model into a smaller-KV-cache checkpoint")
     converters = convert.add_subparsers(dest="converter", required=True, metavar="CONVERTER")
-    convert._convert_subcommands = converters
     _add_care(converters)
+    _add_palu(converters)
     return convert
 
 
@@ -90,4 +88,138 @@ def run_convert_care(args) -> int:
             f"token (achieved {summary['kv_keep_achieved']:.3f}); calibration {summary['calibration_seconds']} s, "
             f"factorization {summary['factorization_seconds']} s → {out}"
         )
+    return 0
+
+
+def _add_palu(converters) -> None:
+    from .palu import QUANT_BITS, RANK_METHODS
+
+    parser = converters.add_parser("palu", help="Palu: grouped low-rank K/V latents, Fisher ranks, low-bit")
+    parser.add_argument("--model", default="smollm2-135m", help="Hub id, local directory or smollm2-135m")
+    add_model_placement_options(parser)
+    parser.add_argument("--kv-keep", type=float, required=True, help="fraction of the K+V cache width kept, (0, 1]")
+    parser.add_argument(
+        "--group-size", type=int, default=None,
+        help="KV heads per group (must divide the KV heads; default: the largest divisor of them ≤ 4)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ranks", choices=RANK_METHODS, default="fisher", help="rank allocation over groups and layers"
+    )
+    parser.add_argument(
+        "--quant-bits", type=int, choices=QUANT_BITS, default=0, help="0: float latents; else per-token codes"
+    )
+    parser.add_argument(
+        "--quant-group-size",
+        type=int,
+        default=0,
+        help="channels per scale/zero-point (0: whole latent; divides --rank-multiple)",
+    )
+    parser.add_argument(
+        "--residual-length", type=int, default=0,
+        help="most recent tokens also served in full precision (with --quant-bits; a fixed cost per sequence)",
+    )  # fmt: skip
+    parser.add_argument("--no-hadamard", action="store_true", help="do not fold the Walsh–Hadamard rotation")
+    parser.add_argument(
+        "--calib",
+        default="generated",
+        type=user_path,
+        help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]",
+    )
+    parser.add_argument("--calib-samples", type=int, default=64, help="calibration sequences")
+    parser.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
+    parser.add_argument(
+        "--fisher-samples", type=int, default=16, help="calibration sequences for the Fisher scores (--ranks fisher)"
+    )
+    parser.add_argument("--rank-multiple", type=int, default=8, help="every group rank is a multiple of this")
+    parser.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
+    parser.add_argument("--out", required=True, help="output directory (written atomically)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier checkpoint in --out")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run_convert_palu)
+
+
+def run_convert_palu(args) -> int:
+    from ..cli import print_json
+    from ..loading import load_model_and_tokenizer, resolve_model, to_checkpoint_dtype
+    from .calibration import check_calibration_source, load_calibration_ids, published_calibration_source
+    from .export import card_base_model, check_output_dir, check_source_model
+    from .palu import PaluConversionConfig, check_palu_model, convert_palu, save_palu, window_bytes_per_sequence
+
+    # Validate everything cheap before loading the model
+    conversion = PaluConversionConfig(
+        kv_keep=args.kv_keep,
+        group_size=args.group_size,
+        ranks=args.ranks,
+        quant_bits=args.quant_bits,
+        quant_group_size=args.quant_group_size,
+        residual_length=args.residual_length,
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        fisher_samples=args.fisher_samples,
+        rank_multiple=args.rank_multiple,
+    )
+    check_calibration_source(args.calib)
+    source = resolve_model(args.model)  # a missing local model is named first
+    check_source_model(args.model, source)
+    base_model = card_base_model(args.base_model or args.model)
+    out = check_output_dir(args.out, args.overwrite)
+    model, tokenizer = load_model_and_tokenizer(args.model, **model_placement(args))
+    group_size = check_palu_model(model, conversion)  # before the (slow) calibration
+    ids = load_calibration_ids(
+        model, tokenizer, args.calib, args.calib_samples, args.calib_seq_len, seed=conversion.seed,
+        progress=True,  # bars go to stderr, --json to stdout
+    )  # fmt: skip
+    palu, info = convert_palu(
+        model,
+        tokenizer,
+        kv_keep=args.kv_keep,
+        group_size=group_size,
+        ranks=args.ranks,
+        quant_bits=args.quant_bits,
+        hadamard=not args.no_hadamard,
+        calibration_ids=ids,
+        progress=True,  # bars go to stderr, --json to stdout
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        fisher_samples=args.fisher_samples,
+        rank_multiple=args.rank_multiple,
+        quant_group_size=args.quant_group_size,
+        residual_length=args.residual_length,
+    )
+    palu = to_checkpoint_dtype(palu, source)  # converted in float32, saved like the original
+    info["window_bytes_per_sequence"] = window_bytes_per_sequence(palu)  # in the saved dtype
+    info["calibration_source"] = published_calibration_source(args.calib)  # a local file by its name
+    save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
+    summary = {
+        "model": args.model,
+        "out": str(out),
+        "kv_keep": args.kv_keep,
+        "kv_keep_achieved": info["kv_keep_achieved"],
+        "group_size": group_size,
+        "ranks": args.ranks,
+        "quant_bits": args.quant_bits,
+        "quant_group_size": args.quant_group_size,
+        "residual_length": args.residual_length,
+        "hadamard": not args.no_hadamard,
+        "k_ranks": info["k_ranks"],
+        "v_ranks": info["v_ranks"],
+        "cache_bytes_per_token": info["cache_bytes_per_token"],
+        "window_bytes_per_sequence": info["window_bytes_per_sequence"],
+        "base_cache_bytes_per_token": info["base_cache_bytes_per_token"],
+        "timings": info["timings"],
+    }
+    # every group keeps at least one rank multiple, and at most the largest multiple within its width
+    if abs(info["kv_keep_achieved"] - args.kv_keep) > 0.05 * args.kv_keep:
+        print(
+            f"warning: ranks in multiples of {args.rank_multiple} keep {info['kv_keep_achieved']:.3g} of the cache, "
+            f"not {args.kv_keep:g}; a smaller --rank-multiple, or one that divides the group width, gets closer",
+            file=sys.stderr,
+        )
+    if args.json:
+        print_json(summary)
+    else:
+        for key, value in summary.items():
+            if isinstance(value, dict):
+                value = ", ".join(f"{k} {v:.1f}" for k, v in value.items())
+            print(f"{key:>28}: {f'{value:.4g}' if isinstance(value, float) else value}")
     return 0

@@ -240,8 +240,21 @@ def test_rope_that_changes_at_run_time_is_refused(tokenizer, rope_type):
         convert_palu(wide, tokenizer, kv_keep=0.5, calibration_text=CALIB_TEXT, **FAST)
 
 
+def test_the_convert_command_group_holds_both_converters():
+    """Both converters' command lines live in `hf_accel.compress.cli`, as the module's name says: `convert palu` was
+    registered from the converter module by reaching into the group's subparsers after CARE's module made it."""
+    import argparse
+
+    from hf_accel.compress.cli import add_cli, run_convert_care, run_convert_palu
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    for converter, run in (("care", run_convert_care), ("palu", run_convert_palu)):
+        assert parser.parse_args(["convert", converter, "--kv-keep", "0.5", "--out", "x"]).func is run
+
+
 def test_cli_checks_the_model_before_calibrating(tmp_path, model, tokenizer, capsys, monkeypatch):
-    import hf_accel.compress.palu as palu_module
+    import hf_accel.compress.calibration as calibration_module
     from hf_accel.cli import main
 
     src = tmp_path / "tiny"
@@ -251,7 +264,7 @@ def test_cli_checks_the_model_before_calibrating(tmp_path, model, tokenizer, cap
     def no_calibration(*args, **kwargs):
         raise AssertionError("calibrated before checking the model")
 
-    monkeypatch.setattr(palu_module, "load_calibration_ids", no_calibration)
+    monkeypatch.setattr(calibration_module, "load_calibration_ids", no_calibration)
     argv = ["convert", "palu", "--model", str(src), "--out", str(tmp_path / "o"), "--base-model", "org/tiny"]
     assert main(argv + ["--kv-keep", "0.5", "--group-size", "3"]) == 2
     assert main(argv + ["--kv-keep", "0.5", "--rank-multiple", "512"]) == 2
