@@ -13,11 +13,11 @@ import json
 import sys
 
 from hf_accel.cli import OneLineErrorParser
-from hf_accel.kernels.benchmark import PaluBenchConfig, format_report, run_palu_attention_benchmark
+from hf_accel.kernels.benchmark import PaluAttentionBenchConfig, format_report, run_palu_attention_benchmark
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    defaults = PaluBenchConfig()
+    defaults = PaluAttentionBenchConfig()
     parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=list(defaults.seq_lens))
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    config = PaluBenchConfig(
+    config = PaluAttentionBenchConfig(
         num_heads=args.num_heads,
         num_key_value_heads=args.num_key_value_heads,
         head_dim=args.head_dim,

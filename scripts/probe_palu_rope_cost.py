@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         modules = {"base": triton_palu, **{name: variant_module(name, Path(folder)) for name in VARIANTS}}
         for group_size in (1, 4):
-            config = benchmark.PaluBenchConfig(group_size=group_size)
+            config = benchmark.PaluAttentionBenchConfig(group_size=group_size)
             for seq_len in (16384, 65536):
                 x = benchmark._make_inputs(config, seq_len, "cuda")
                 expected = rope_key_scores(x["query"], x["latent_keys"], x["up_k"], x["positions"], x["inv_freq"])

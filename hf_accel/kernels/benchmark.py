@@ -22,7 +22,7 @@ from .quant import quantize_per_token
 
 
 @dataclass
-class PaluBenchConfig:
+class PaluAttentionBenchConfig:
     """Shapes of the benchmarked layer; defaults follow the Llama-3-8B GQA layout and the spec's latency split."""
 
     num_heads: int = field(default=32, metadata={"help": "query heads"})
@@ -79,7 +79,7 @@ def _time_ms(fn, warmup: int, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _make_inputs(config: PaluBenchConfig, seq_len: int, device) -> dict:
+def _make_inputs(config: PaluAttentionBenchConfig, seq_len: int, device) -> dict:
     gen = torch.Generator(device).manual_seed(0)
     half = {"dtype": torch.float16, "device": device}
     batch, kv, d, groups = config.batch_size, config.num_key_value_heads, config.head_dim, config.groups
@@ -116,7 +116,7 @@ def _rope(keys, positions, inv_freq):
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
-def _palu_fused(inputs, config: PaluBenchConfig, scores_kernel, attend_kernel=None):
+def _palu_fused(inputs, config: PaluAttentionBenchConfig, scores_kernel, attend_kernel=None):
     # scores → softmax → p · H^v per latent group; all query heads of a group read the same latent values
     scores = scores_kernel(
         inputs["query"], inputs["latent_keys"], inputs["up_k"], inputs["positions"], inputs["inv_freq"],
@@ -130,7 +130,7 @@ def _palu_fused(inputs, config: PaluBenchConfig, scores_kernel, attend_kernel=No
     return probs @ inputs["latent_values"]  # [B, G, heads_per_group, r_v]
 
 
-def _measure_length(config: PaluBenchConfig, seq_len: int, scores_kernel, device, attend_kernel=None) -> dict:
+def _measure_length(config: PaluAttentionBenchConfig, seq_len: int, scores_kernel, device, attend_kernel=None) -> dict:
     x = _make_inputs(config, seq_len, device)
     x["quantized_values"] = quantize_per_token(x["latent_values"], bits=4)
     d, num_rep = config.head_dim, config.num_heads // config.num_key_value_heads
@@ -166,7 +166,7 @@ def _measure_length(config: PaluBenchConfig, seq_len: int, scores_kernel, device
     return {"seq_len": seq_len, **timings}
 
 
-def _check_fused_matches_reference(config: PaluBenchConfig, scores_kernel, device) -> float:
+def _check_fused_matches_reference(config: PaluAttentionBenchConfig, scores_kernel, device) -> float:
     # largest relative error of the fused scores against the eager reference, on a short cache
     from .reference import rope_key_scores
 
@@ -176,12 +176,12 @@ def _check_fused_matches_reference(config: PaluBenchConfig, scores_kernel, devic
     return float((scores_kernel(*args) - expected).abs().max() / expected.abs().max())
 
 
-def run_palu_attention_benchmark(config: PaluBenchConfig) -> dict:
+def run_palu_attention_benchmark(config: PaluAttentionBenchConfig) -> dict:
     """
     Time one decode step of Palu attention against plain SDPA at each length of `config.seq_lens`.
 
     Args:
-        config ([`PaluBenchConfig`]): layer shapes, lengths and timing repeats.
+        config ([`PaluAttentionBenchConfig`]): layer shapes, lengths and timing repeats.
 
     Returns:
         `dict` with `gpu` (the device name), `config`, `max_rel_error` of the fused scores against the reference,

@@ -25,7 +25,7 @@ def test_script_without_gpu_says_so_and_exits_zero(monkeypatch, capsys):
 
 def test_benchmarked_palu_path_equals_sdpa_on_reconstructed_states(monkeypatch):
     # the timed palu path (scores kernel → softmax → p·H^v, B^v folded later) must compute the same attention
-    config = benchmark.PaluBenchConfig(
+    config = benchmark.PaluAttentionBenchConfig(
         num_heads=8, num_key_value_heads=4, head_dim=16, group_size=2, warmup=0, iters=1
     )
     monkeypatch.setattr(benchmark, "_time_ms", lambda fn, warmup, iters: fn() is not None and 1.0)
