@@ -60,7 +60,7 @@ DEFAULT_IGNORE_PATTERNS = (
     ".staging-*",
     ".staging-*/*",
     ".*.tmp",  # a write cut short (the perplexity history is written to `.ppl_history.json.tmp`, then renamed)
-    ".*.incomplete",  # the same, by `compress.export.replace_atomically` (a self-distillation cache's rewrite)
+    ".*.incomplete",  # the same, by `atomic.replace_atomically` (a self-distillation cache's rewrite)
     ".*.lock",  # an inter-process lock (the self-distillation cache's `.self_distill.jsonl.lock`)
 )
 # Weight files: a re-push deletes the repository's ones the artifact no longer has (a stale `model.safetensors` beside
@@ -481,7 +481,7 @@ def save_artifact(
     Returns:
         `Path`: the artifact directory.
     """
-    from .compress.export import staged_files
+    from .atomic import staged_files
 
     base_model = hub_base_model(base_model)
     # The card is written last, once the files are in: its arguments (kind, image, evaluation results, the keywords
@@ -644,7 +644,7 @@ def populate_hub_cache(
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    from .compress.export import replace_atomically
+    from .atomic import replace_atomically
 
     folder = Path(folder)
     if not folder.is_dir():

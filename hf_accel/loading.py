@@ -49,7 +49,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize the GGUF file once and write a plain safetensors checkpoint to `out` (atomically)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .compress.export import give_usual_permissions
+    from .atomic import give_usual_permissions
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

@@ -52,7 +52,7 @@ def parse_args(argv=None):
 def cached(path: str | None, settings: dict, make):
     """`make()`, saved to `path` with the `settings` it was made with (atomically) and read back by a later run with
     the same settings; a file made with other settings is refused in one line rather than reused."""
-    from hf_accel.compress.export import replace_atomically
+    from hf_accel.atomic import replace_atomically
 
     if path is None:
         return make()

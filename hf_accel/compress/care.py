@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_output_dir
 from ..log import progress_bar
 from .calibration import KvCalibration, check_calibration_fits, collect_kv_calibration
 from .export import (
     as_converted,
-    atomic_output_dir,
     check_no_adapters,
     check_rope_type,
     copy_remote_code,

@@ -47,11 +47,12 @@ def _add_care(converters) -> None:
 
 
 def run_convert_care(args) -> int:
+    from ..atomic import check_output_dir
     from ..cli import print_json
     from ..loading import load_model_and_tokenizer, resolve_model, to_checkpoint_dtype
     from .calibration import check_calibration_source
     from .care import CareConversionConfig, run_care_conversion, save_care_model
-    from .export import card_base_model, check_output_dir, check_source_model
+    from .export import card_base_model, check_source_model
 
     config = CareConversionConfig(
         kv_keep=args.kv_keep, method=args.method, alpha=args.alpha, absorb_value=args.absorb_value
@@ -139,10 +140,11 @@ def _add_palu(converters) -> None:
 
 
 def run_convert_palu(args) -> int:
+    from ..atomic import check_output_dir
     from ..cli import print_json
     from ..loading import load_model_and_tokenizer, resolve_model, to_checkpoint_dtype
     from .calibration import check_calibration_source, load_calibration_ids, published_calibration_source
-    from .export import card_base_model, check_output_dir, check_source_model
+    from .export import card_base_model, check_source_model
     from .palu import PaluConversionConfig, check_palu_model, convert_palu, save_palu, window_bytes_per_sequence
 
     # Validate everything cheap before loading the model

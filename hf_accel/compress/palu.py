@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_output_dir
 from ..log import progress_bar
 from ..models.configuration_palu import KERNEL_BACKENDS
 from .calibration import (
@@ -31,7 +32,6 @@ from .calibration import (
 )
 from .export import (
     as_converted,
-    atomic_output_dir,
     check_no_adapters,
     check_rope_type,
     load_converted_state,

@@ -40,8 +40,8 @@ def add_cli(commands) -> None:
 
 
 def _run_build(args) -> int:
+    from ..atomic import check_output_path
     from ..cli import print_json
-    from ..compress.export import check_output_path
     from ..loading import load_model_and_tokenizer, load_tokenizer
     from .drafters.build import (
         SELF_DISTILL_CACHE,

@@ -631,7 +631,7 @@ class HealingResult:
 def _check_output_dir(args: HealingArguments, resume_target: str | None) -> None:
     """Refuses, before anything loads, an `--output_dir` that is a model being read, a file, or a used directory
     (unless resuming from it or `--overwrite_output_dir`): the healed checkpoint replaces files of the same names."""
-    from ..compress.export import check_output_path
+    from ..atomic import check_output_path
     from ..loading import resolve_model
 
     out = check_output_path(args.output_dir, option="--output_dir")  # a file, or a path under one

@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_utils import SaveStrategy
 
+from ..atomic import replace_atomically
 from ..cli import strict_json
-from ..compress.export import replace_atomically
 from ..eval.perplexity import compute_perplexity
 from ..log import get_logger
 

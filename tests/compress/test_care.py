@@ -108,12 +108,12 @@ def test_a_killed_conversion_s_scratch_directory_is_removed_by_the_next_one(tmp_
     import subprocess
     import sys
 
-    from hf_accel.compress.export import atomic_output_dir
+    from hf_accel.atomic import atomic_output_dir
 
     out = tmp_path / "care"
     script = (
         "import os, signal, sys\n"
-        "from hf_accel.compress.export import atomic_output_dir\n"
+        "from hf_accel.atomic import atomic_output_dir\n"
         "with atomic_output_dir(sys.argv[1]) as tmp:\n"
         "    (tmp / 'model.safetensors').write_bytes(b'half')\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"

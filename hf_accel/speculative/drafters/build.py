@@ -253,7 +253,7 @@ def _rewrite_self_distill_cache(cache_file: Path, adopted: set[str], fingerprint
     process appended before are kept, and written atomically ([`replace_atomically`]) with the file's permissions: an
     interruption leaves a whole file. The cache lock is held from the re-read to the rename, so no other process
     appends (or rewrites) in between."""
-    from ...compress.export import replace_atomically
+    from ...atomic import replace_atomically
 
     with _cache_lock(cache_file):
         records, _ = _read_locked_self_distill_cache(cache_file)

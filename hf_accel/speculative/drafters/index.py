@@ -98,7 +98,7 @@ def build_index(
     Returns:
         [`IndexHeader`]
     """
-    from ...compress.export import staged_files
+    from ...atomic import staged_files
 
     # the old header goes first and the new one last: an interrupted rebuild (or a bad document found half way)
     # does not load, rather than pairing new tokens with an old suffix array

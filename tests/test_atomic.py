@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from hf_accel.compress.export import atomic_output_dir, staged_files
+from hf_accel.atomic import atomic_output_dir, staged_files
 
 
 fcntl = pytest.importorskip("fcntl")
@@ -69,14 +69,14 @@ def test_on_windows_stale_scratch_is_found_without_signalling_any_process(tmp_pa
     that is gone raises `OSError` (WinError 87), which failed every conversion beside a killed one's folder."""
     import psutil
 
-    from hf_accel.compress import export
+    from hf_accel import atomic
 
     def windows_kill(pid, sig):
         signalled.append((pid, sig))
         raise OSError(22, "The parameter is incorrect")  # WinError 87, for a pid that is no console process group
 
     signalled = []
-    monkeypatch.setattr(export, "_WINDOWS", True, raising=False)
+    monkeypatch.setattr(atomic, "_WINDOWS", True, raising=False)
     monkeypatch.setattr(os, "kill", windows_kill)
     monkeypatch.setattr(psutil, "pid_exists", lambda pid: pid in psutil.pids())  # the system's process list
     host = socket.gethostname().replace("-", "_")
