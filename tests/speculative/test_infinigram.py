@@ -144,6 +144,16 @@ def test_infinigram_greedy_identity_tiny_model(tiny_llama, tmp_path, tree):
     assert out.speculative_stats.mean_accepted > 3  # the index holds these very outputs
 
 
+def test_the_drafters_package_says_where_its_drafters_register():
+    """Its docstring said every drafter module registers itself; infinigram.py registers nothing, the package does,
+    and a newcomer adding a drafter looked for the call in the wrong file."""
+    from hf_accel.speculative import drafters
+
+    registered = [line for line in drafters.__doc__.splitlines() if "register_drafter" in line]
+    assert registered and "Each drafter module" not in drafters.__doc__
+    assert all(f"`{name}`" in drafters.__doc__ for name in drafters.available_drafters())
+
+
 def test_registry_and_index_build_cli(tmp_path, capsys):
     import json
 

@@ -1,7 +1,8 @@
 """Drafters for hf-accel's verification engine, and the registry the CLI and the benchmark use.
 
-A method string is `<name>[:<artifact>]`; [`build_drafter`] turns it into a drafter object. Each drafter module
-registers itself with one [`register_drafter`] call.
+A method string is `<name>[:<artifact>]`; [`build_drafter`] turns it into a drafter object. The drafters are
+registered at the end of this module, one [`register_drafter`] call each (`ngram`, `ngram-chain`); a drafter of
+another package registers with the same call.
 """
 
 from collections.abc import Callable
