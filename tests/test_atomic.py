@@ -104,6 +104,8 @@ def test_swapped_in_files_get_the_umask_s_permissions_not_private_ones(tmp_path,
             (tmp / "sub").mkdir(mode=0o700)
             (tmp / "sub" / "a.json").write_text("{}")
             (tmp / "sub" / "a.json").chmod(0o600)
+            (tmp / "modeling_x.py").write_text("X = 1\n")
+            (tmp / "modeling_x.py").chmod(0o444)  # copied with its mode from a read-only install
             (tmp / "run.sh").write_text("#!/bin/sh\n")
             (tmp / "run.sh").chmod(0o700)  # a script stays executable
     finally:
@@ -111,4 +113,5 @@ def test_swapped_in_files_get_the_umask_s_permissions_not_private_ones(tmp_path,
     out = tmp_path / "out"
     modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
     expected = {".": 0o755, "model.safetensors": 0o644, "run.sh": 0o755, "sub": 0o755, "sub/a.json": 0o644}
+    expected["modeling_x.py"] = 0o644
     assert modes == expected

@@ -788,19 +788,18 @@ def test_evaluation_rows_and_title_stay_one_line_with_pipes_and_line_breaks(kind
     ]
 
 
-def test_remote_code_copied_from_a_read_only_install_is_writable_in_the_artifact(tmp_path, monkeypatch):
+def test_remote_code_copied_from_a_read_only_install_is_writable_in_the_artifact(tmp_path):
     """A package installed read-only (a system or Nix store, files 0444) passed its modes on with the copy: the
-    artifact's code files could not be overwritten by a later save into it (`save_pretrained` writes them again)."""
+    artifact's code files could not be overwritten by a later save into it (`save_pretrained` writes them again).
+    A converter's checkpoint gets the umask's modes from its atomic swap (tests/test_atomic.py)."""
     import stat
 
-    from hf_accel.compress import export
     from hf_accel.hub import copy_remote_code
     from tests.conftest import make_tiny_llama
 
     installed = tmp_path / "site-packages"
     installed.mkdir()
     (installed / "modeling_x.py").write_text("X = 1\n")
-    shutil.copy(export.MODELS_DIR / "modeling_care.py", installed / "modeling_care.py")
     for file in installed.iterdir():
         file.chmod(0o444)
     model = make_tiny_llama()
@@ -808,12 +807,9 @@ def test_remote_code_copied_from_a_read_only_install_is_writable_in_the_artifact
     out = tmp_path / "artifact"
     out.mkdir()
     assert copy_remote_code(model, out, installed) == ["modeling_x.py"]
-    monkeypatch.setattr(export, "MODELS_DIR", installed)
-    export.copy_remote_code(out, ["modeling_care.py"])
     umask = os.umask(0)
     os.umask(umask)
-    for name in ("modeling_x.py", "modeling_care.py"):
-        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~umask, name
+    assert stat.S_IMODE((out / "modeling_x.py").stat().st_mode) == 0o666 & ~umask
 
 
 def test_push_to_cache_prints_a_setting_that_works_from_any_directory(tmp_path, monkeypatch, capsys):

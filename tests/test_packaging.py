@@ -39,7 +39,6 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def test_wheel_holds_the_files_read_at_run_time(wheel):
-    from hf_accel.compress.export import MODELS_DIR
     from hf_accel.eval.prompts import _BUILTIN_DIR
     from hf_accel.hub import ARTIFACT_KINDS, HUB_CARDS_DIR
     from hf_accel.kernels import CHECKPOINT_SOURCES
@@ -52,7 +51,7 @@ def test_wheel_holds_the_files_read_at_run_time(wheel):
         return path.resolve().relative_to(REPO).as_posix()
 
     expected = {in_wheel(p) for p in _BUILTIN_DIR.glob("*.jsonl")}
-    expected |= {in_wheel(p) for p in MODELS_DIR.glob("*.py")}  # copied into converted checkpoints
+    expected |= {in_wheel(p) for p in (package / "models").glob("*.py")}  # copied into converted checkpoints
     expected |= {in_wheel(package / "kernels" / name) for name in CHECKPOINT_SOURCES}  # read by the Palu converter
     expected.add(in_wheel(package / "speculative" / "repo_generate.py"))  # a drafter repository's custom_generate
     for index in (package / "data" / "indexes").iterdir():

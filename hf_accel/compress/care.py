@@ -31,7 +31,6 @@ from .export import (
     as_converted,
     check_no_adapters,
     check_rope_type,
-    copy_remote_code,
     load_converted_state,
     plot_ranks,
     uninitialized_model,
@@ -479,7 +478,6 @@ def save_care_model(result: CareResult, tokenizer, out_dir, base_model: str | No
     width = model.model.layers[0].self_attn.k_up.out_features
     summary = result.summary()
     with atomic_output_dir(out, overwrite) as tmp:
-        copy_remote_code(tmp, ["configuration_care.py", "modeling_care.py"])
         calibration = result.calibration
         plot_ranks(tmp / "care_ranks.png", result.k_ranks, result.v_ranks, width, f"CARE ranks ({result.method})")
         settings = {"method": result.method, "kv_keep": result.kv_keep}

@@ -1,18 +1,14 @@
-"""Finishing converted checkpoints: checks of the source model, loading the converted weights, copied remote code,
-rank reports and model cards.
+"""Finishing converted checkpoints: checks of the source model, loading the converted weights, rank reports and
+model cards (`save_pretrained` copies the remote code: the converted classes set `_auto_class`).
 
 Shared by the CARE and Palu converters. Both write their checkpoint with [`~hf_accel.atomic.atomic_output_dir`], so a
 failure never leaves a half-written output directory.
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
-
-
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
 def card_base_model(name: str) -> str:
@@ -111,14 +107,6 @@ def load_converted_state(converted, state: dict, source, converter: str):
     converted.tie_weights()  # assigned, the tied output and input embeddings are two parameters again
     converted.generation_config = copy.deepcopy(source.generation_config)
     return converted.to(next(source.parameters()).device).eval()
-
-
-def copy_remote_code(out_dir: Path, names: list[str]) -> None:
-    """Copies `hf_accel/models/<name>` files (configuration/modeling code) next to the weights, as new files (the
-    umask's permissions, not those of a read-only install, which a later `save_pretrained` into it could not
-    overwrite)."""
-    for name in names:
-        shutil.copyfile(MODELS_DIR / name, Path(out_dir) / name)
 
 
 def write_json(path: Path, obj) -> None:
