@@ -68,13 +68,8 @@ def cached(path: str | None, settings: dict, make):
 
 
 def main(argv=None) -> int:
-    from hf_accel.eval.care_quality import (
-        benchmark_care,
-        calibrate_mixed,
-        format_care_table,
-        generated_text,
-        split_text,
-    )
+    from hf_accel.compress.calibration import calibrate_mixed
+    from hf_accel.eval.care_quality import benchmark_care, format_care_table, generated_text, split_text
     from hf_accel.loading import load_model_and_tokenizer
 
     args = parse_args(argv)

@@ -267,6 +267,21 @@ CALIBRATION_PROMPTS = (
 )
 
 
+# Held-out prompts for the generated evaluation text of the CARE and Palu quality benchmarks (disjoint from
+# CALIBRATION_PROMPTS, so no evaluation text was calibrated on).
+EVAL_PROMPTS = (
+    "Explain the rules of chess to a beginner.",
+    "Write a short poem about the sea at night.",
+    "What are the benefits of regular exercise?",
+    "Describe how a bill becomes a law.",
+    "Write a JavaScript function that reverses a string.",
+    "Tell me about the life of Marie Curie.",
+    "How do airplanes stay in the air?",
+    "Give advice to someone starting their first job.",
+)
+assert not set(EVAL_PROMPTS) & set(CALIBRATION_PROMPTS)
+
+
 def generate_calibration_ids(
     model,
     tokenizer,
@@ -306,6 +321,38 @@ def generate_calibration_ids(
             new = out[:, enc["input_ids"].shape[1] :].cpu()  # [b, seq_len]
             rows.append(new)
     return torch.cat(rows)
+
+
+def mixed_calibration_ids(
+    model, tokenizer, text: str | None, text_samples: int, generated_samples: int, seq_len: int, seed: int = 0
+) -> torch.Tensor:
+    """`[text_samples + generated_samples, seq_len]` token ids: random windows of `text`, then sequences sampled
+    from the model on [`CALIBRATION_PROMPTS`] (the calibration the CARE and Palu quality benchmarks share)."""
+    parts = []
+    if text and text_samples:
+        parts.append(tokenize_calibration_text(tokenizer, text, text_samples, seq_len, seed))
+    if generated_samples:
+        parts.append(generate_calibration_ids(model, tokenizer, generated_samples, seq_len, seed=seed))
+    if not parts:
+        raise ValueError("no calibration data: give text samples or generated samples")
+    return torch.cat(parts)
+
+
+def calibrate_mixed(
+    model,
+    tokenizer,
+    text: str | None,
+    text_samples: int,
+    generated_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    with_output_grads: bool = True,
+) -> KvCalibration:
+    """One calibration over `text_samples` windows of `text` plus `generated_samples` model-generated sequences."""
+    ids = mixed_calibration_ids(model, tokenizer, text, text_samples, generated_samples, seq_len, seed)
+    calibration = collect_kv_calibration(model, ids, None, 8, with_output_grads)
+    calibration.meta.update(text_samples=text_samples, generated_samples=generated_samples, seq_len=seq_len)
+    return calibration
 
 
 def check_calibration_source(source: str) -> None:

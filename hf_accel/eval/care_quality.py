@@ -10,29 +10,9 @@ import time
 
 import torch
 
-from ..compress.calibration import (
-    CALIBRATION_PROMPTS,
-    KvCalibration,
-    collect_kv_calibration,
-    generate_calibration_ids,
-    tokenize_calibration_text,
-)
+from ..compress.calibration import EVAL_PROMPTS, KvCalibration, generate_calibration_ids
 from ..compress.care import CareConversionConfig, run_care_conversion
 from .memory import measure_cache_bytes_per_token
-
-
-# Held-out prompts for the generated evaluation text (disjoint from CALIBRATION_PROMPTS).
-EVAL_PROMPTS = (
-    "Explain the rules of chess to a beginner.",
-    "Write a short poem about the sea at night.",
-    "What are the benefits of regular exercise?",
-    "Describe how a bill becomes a law.",
-    "Write a JavaScript function that reverses a string.",
-    "Tell me about the life of Marie Curie.",
-    "How do airplanes stay in the air?",
-    "Give advice to someone starting their first job.",
-)
-assert not set(EVAL_PROMPTS) & set(CALIBRATION_PROMPTS)
 
 
 def split_text(text: str, calib_fraction: float = 0.5) -> tuple[str, str]:
@@ -45,38 +25,6 @@ def generated_text(model, tokenizer, num_samples: int, seq_len: int, seed: int, 
     """Model-generated responses (sampled), decoded and joined: held-out text from the model's own distribution."""
     ids = generate_calibration_ids(model, tokenizer, num_samples, seq_len, seed=seed, prompts=prompts)
     return "\n\n".join(tokenizer.batch_decode(ids, skip_special_tokens=True))
-
-
-def mixed_calibration_ids(
-    model, tokenizer, text: str | None, text_samples: int, generated_samples: int, seq_len: int, seed: int = 0
-) -> torch.Tensor:
-    """`[text_samples + generated_samples, seq_len]` token ids: random windows of `text`, then sequences sampled
-    from the model on [`CALIBRATION_PROMPTS`] (the calibration both benchmarks share)."""
-    parts = []
-    if text and text_samples:
-        parts.append(tokenize_calibration_text(tokenizer, text, text_samples, seq_len, seed))
-    if generated_samples:
-        parts.append(generate_calibration_ids(model, tokenizer, generated_samples, seq_len, seed=seed))
-    if not parts:
-        raise ValueError("no calibration data: give text samples or generated samples")
-    return torch.cat(parts)
-
-
-def calibrate_mixed(
-    model,
-    tokenizer,
-    text: str | None,
-    text_samples: int,
-    generated_samples: int,
-    seq_len: int,
-    seed: int = 0,
-    with_output_grads: bool = True,
-) -> KvCalibration:
-    """One calibration over `text_samples` windows of `text` plus `generated_samples` model-generated sequences."""
-    ids = mixed_calibration_ids(model, tokenizer, text, text_samples, generated_samples, seq_len, seed)
-    calibration = collect_kv_calibration(model, ids, None, 8, with_output_grads)
-    calibration.meta.update(text_samples=text_samples, generated_samples=generated_samples, seq_len=seq_len)
-    return calibration
 
 
 def measured_cache_bytes_per_token(model, vocab_size: int, tokens: int = 16) -> float:

@@ -11,7 +11,7 @@ float16 scales and zero-points whatever the model dtype.
 With `calib_generated_samples`, the calibration is CARE's mixed one (text windows + sequences the model sampled on
 its calibration prompts), and with `care_methods` CARE conversions at the same budgets join the table, from the same
 calibration statistics and scored by the same evaluation: one protocol for both converters. The held-out generated
-text is sampled on CARE's held-out prompts (`EVAL_PROMPTS`), none of which calibrates.
+text is sampled on the held-out prompts `EVAL_PROMPTS` (compress/calibration.py), none of which calibrates.
 """
 
 import copy
@@ -182,11 +182,15 @@ def run_palu_quality_benchmark(
         held_out_text (`str`): evaluation text, disjoint from the calibration text.
         config ([`PaluBenchConfig`], *optional*): the grid and sizes.
     """
-    from ..compress.calibration import collect_kv_calibration, generate_calibration_ids
+    from ..compress.calibration import (
+        EVAL_PROMPTS,
+        collect_kv_calibration,
+        generate_calibration_ids,
+        mixed_calibration_ids,
+    )
     from ..compress.care import convert_care
     from ..compress.fisher import collect_fisher_scores
     from ..compress.palu import convert_palu
-    from .care_quality import EVAL_PROMPTS, mixed_calibration_ids
 
     config = config or PaluBenchConfig()
     _check_residual_lengths(config)
