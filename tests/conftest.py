@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 # Nothing may come from the network in tests.
@@ -46,6 +48,20 @@ def make_tiny_llama(seed: int = 0, **overrides):
     kwargs = {**TINY_CONFIG, **overrides}
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+
+
+class LargestStorage(TorchDispatchMode):
+    """Records the largest storage (bytes) of any tensor an aten op returns inside it: what a step allocates at once
+    (views share their base's storage), checked without timings."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.largest = max(self.largest, leaf.untyped_storage().nbytes())
+        return out
 
 
 @pytest.fixture

@@ -115,11 +115,16 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
         codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2**bits - 1)
         return codes.reshape(*lead, dim).to(torch.uint8)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
-    stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(*lead, 8 * packed.shape[-1])
-    stream = stream[..., : dim * bits]
-    weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)
-    return (stream.reshape(*lead, dim, bits) * weights).sum(-1).to(torch.uint8)
+    # 8 codes fill exactly `bits` bytes: read each such run of bytes as one little-endian word and shift the codes out
+    # of it, one int32 per code (int64 above 3 bits); expanding every byte to its bits instead would cost 12 bytes per
+    # 3-bit code, and this runs over the whole cache at every decoding step. The stream is padded to whole runs.
+    words, word_dtype = math.ceil(dim / 8), torch.int32 if bits <= 3 else torch.int64
+    runs = torch.nn.functional.pad(packed, (0, words * bits - packed.shape[-1])).reshape(*lead, words, bits)
+    byte_shifts = torch.arange(0, 8 * bits, 8, device=packed.device, dtype=word_dtype)
+    word = (runs.to(word_dtype) << byte_shifts).sum(-1, keepdim=True, dtype=word_dtype)  # bytes do not overlap
+    code_shifts = torch.arange(0, 8 * bits, bits, device=packed.device, dtype=word_dtype)
+    codes = ((word >> code_shifts) & (2**bits - 1)).reshape(*lead, words * 8)
+    return codes[..., :dim].to(torch.uint8)
 
 
 @dataclass

@@ -14,10 +14,11 @@ from hf_accel.kernels.quant import (
     quantize_per_token,
     unpack_codes,
 )
+from tests.conftest import LargestStorage
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("dim", [8, 13, 64])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("dim", [1, 8, 13, 64])
 @pytest.mark.parametrize("tokens", [4, 0])  # 0: an empty slice of a cache
 def test_pack_round_trip_and_size(bits, dim, tokens):
     codes = torch.randint(0, 2**bits, (3, tokens, dim), dtype=torch.uint8)
@@ -32,6 +33,17 @@ def test_aligned_fast_path_matches_generic_bit_stream(bits):
     codes = torch.randint(0, 2**bits, (5, 17), dtype=torch.uint8)
     aligned, generic = pack_codes(codes[:, :16], bits), pack_codes(codes, bits)
     torch.testing.assert_close(generic[:, : aligned.shape[1]], aligned)
+
+
+def test_unpacking_3_bit_codes_takes_one_int32_per_code():
+    # every decoding step unpacks the whole cache: no intermediate may expand the codes to their bits (12 bytes per
+    # 3-bit code as int32), only to one int32 per code, as the byte-aligned widths do
+    codes = torch.randint(0, 8, (2, 4, 64, 24), dtype=torch.uint8)
+    packed = pack_codes(codes, 3)
+    with LargestStorage() as mode:
+        unpacked = unpack_codes(packed, 3, 24)
+    assert torch.equal(unpacked, codes)
+    assert mode.largest <= 4 * codes.numel()
 
 
 def test_pack_layout_is_little_endian_bit_stream():
