@@ -81,8 +81,11 @@ def rope_key_scores(
     cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
     first, second = keys[..., : head_dim // 2], keys[..., head_dim // 2 :]
     keys = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-    keys = keys.repeat_interleave(num_rep, dim=1)  # [B, H, S, d]
-    return (query_states.float() @ keys.transpose(-1, -2)) * scaling
+    # GQA without repeating the keys per query head: query head h = j·num_rep + i reads key head j
+    q_len = query_states.shape[2]
+    grouped = query_states.float().reshape(batch, num_key_value_heads, num_rep * q_len, head_dim)
+    scores = grouped @ keys.transpose(-1, -2)  # [B, KV, num_rep·q, S]
+    return scores.view(batch, num_key_value_heads * num_rep, q_len, seq_len) * scaling
 
 
 def dequantize_matmul(quantized: QuantizedLatents, weight: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from hf_accel import kernels
 from hf_accel.kernels import get_kernel, is_triton_available, list_kernels
 from hf_accel.kernels.hadamard import apply_hadamard, fold_hadamard_into_factors
 from hf_accel.kernels.quant import dequantize_per_token, quantize_per_token
+from tests.conftest import LargestStorage
 
 
 require_triton = pytest.mark.skipif(
@@ -95,6 +96,21 @@ def test_rope_reference_matches_the_model_rotary_embedding(rope_parameters):
         query, latent, up_proj, positions, rotary.inv_freq, attention_scaling=rotary.attention_scaling
     )
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_rope_reference_does_not_repeat_keys_per_query_head(q_len):
+    # every decoding step scores the whole cache: GQA query heads share their key head's rebuilt keys, so nothing
+    # the kernel makes is larger than those keys or the scores (a copy of the keys per query head would be 4 times
+    # the keys here)
+    query, latent, up_proj, positions, inv_freq = _rope_inputs(heads=8, kv_heads=2, q_len=q_len, seq_len=64)
+    expected = _hf_scores(query, latent, up_proj, positions, inv_freq, kv_heads=2)
+    with LargestStorage() as mode:
+        scores = get_kernel("rope_key_scores")(query, latent, up_proj, positions, inv_freq)
+    torch.testing.assert_close(scores, expected, atol=1e-4, rtol=1e-4)
+    batch, kv_heads, seq_len, head_dim = 2, 2, 64, query.shape[-1]
+    keys_bytes = batch * kv_heads * seq_len * head_dim * 4  # float32
+    assert mode.largest <= max(keys_bytes, scores.numel() * 4)
 
 
 def test_rope_reference_accepts_packed_latents():
