@@ -109,14 +109,17 @@ class CareAttentionMixin:
         # Keys are RoPE'd after reconstruction, at cached positions the caller's cos/sin do not cover.
         self.rotary_emb = self.rotary_class(config=config)
 
-    def _keys_from_latent(self, latent_k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _keys_from_latent(self, latent_k: torch.Tensor, positions: torch.Tensor, key_position_embeddings=None):
         # latent_k: [B, 1, T, r_K] → keys [B, g, T, d]
         bsz, _, total, _ = latent_k.shape
         keys = self.k_up(latent_k[:, 0]).view(bsz, total, -1, self.head_dim)  # [B, T, g, d]
         if hasattr(self, "k_norm"):  # Qwen3: per-head RMSNorm before RoPE
             keys = self.k_norm(keys)
         keys = keys.transpose(1, 2)  # [B, g, T, d]
-        cos, sin = self.rotary_emb(keys, positions)  # [B or 1, T, d]
+        if key_position_embeddings is None:
+            cos, sin = self.rotary_emb(keys, positions)  # [B or 1, T, d]
+        else:  # cos/sin of the caller's `key_positions`, computed once for all layers: the last T are this layer's
+            cos, sin = (t[:, t.shape[1] - total :].to(keys.dtype) for t in key_position_embeddings)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return keys * cos + rotate_half(keys) * sin
 
@@ -138,6 +141,7 @@ class CareAttentionMixin:
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         key_positions = kwargs.pop("key_positions", None)  # [B, past + q] from hf-accel's engine, or inferred
+        key_position_embeddings = kwargs.pop("key_position_embeddings", None)  # their cos/sin, from `generate`
         input_shape = hidden_states.shape[:-1]
         query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)
         if hasattr(self, "q_norm"):
@@ -155,7 +159,7 @@ class CareAttentionMixin:
         q_len = input_shape[-1]
         past_len = latent_k.shape[-2] - q_len
         positions = _key_positions(position_ids, past_len, q_len, hidden_states.device, key_positions)
-        key_states = self._keys_from_latent(latent_k, positions)
+        key_states = self._keys_from_latent(latent_k, positions, key_position_embeddings)
         value_states = self._values_from_latent(latent_v)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -226,6 +230,9 @@ class CareForCausalLMMixin:
         )
         if key_positions is not None:
             inputs["key_positions"] = key_positions
+            # every layer RoPEs its rebuilt keys at these positions: their cos/sin once per step, not once per layer
+            rotary = self.model.layers[0].self_attn.rotary_emb
+            inputs["key_position_embeddings"] = rotary(rotary.inv_freq.new_empty(0, dtype=self.dtype), key_positions)
         return inputs
 
 

@@ -1,6 +1,7 @@
 """CARE model classes on tiny random models of every supported family (Llama, Mistral, Qwen2 with biases, Qwen3)."""
 
 import copy
+import functools
 import os
 import subprocess
 import sys
@@ -128,6 +129,37 @@ def test_generate_with_a_hole_in_the_attention_mask_matches_the_uncached_model(f
         uncached = care.generate(ids, attention_mask=mask, return_dict_in_generate=True, use_cache=False, **kwargs)
     assert torch.equal(cached.sequences, uncached.sequences)
     torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits), atol=1e-5, rtol=0)
+
+
+def test_generate_computes_the_keys_cos_sin_once_per_step(family_setup, monkeypatch):
+    # every layer RoPEs its whole rebuilt key history at every step, at positions that are the same in every layer:
+    # `generate` computes their cos/sin once per step, the layers' own rotary modules run in the prefill only
+    _, model, calibration = family_setup
+    care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
+    ids = _ids(seed=6, shape=(2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "output_logits": True}
+    calls = []
+    hooks = [
+        layer.self_attn.rotary_emb.register_forward_hook(lambda *args: calls.append(1)) for layer in care.model.layers
+    ]
+    with torch.no_grad():
+        shared = care.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+    for hook in hooks:
+        hook.remove()
+    assert len(calls) == len(care.model.layers) + 4  # the prefill's layers, then one per decoding step
+    prepare = care.prepare_inputs_for_generation
+
+    @functools.wraps(prepare)  # `generate` reads its signature
+    def per_layer_cos_sin(*args, **kw):
+        return {k: v for k, v in prepare(*args, **kw).items() if k != "key_position_embeddings"}
+
+    monkeypatch.setattr(care, "prepare_inputs_for_generation", per_layer_cos_sin)
+    with torch.no_grad():
+        per_layer = care.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(shared.sequences, per_layer.sequences)
+    assert torch.equal(torch.stack(shared.logits), torch.stack(per_layer.logits))
 
 
 def _run_offline(code: str, cwd) -> str:
