@@ -16,22 +16,35 @@ def add_cli(commands) -> argparse.ArgumentParser:
     return convert
 
 
+def _add_source_options(parser) -> None:
+    """What both converters read: the model, where it runs, and the calibration text."""
+    parser.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
+    add_model_placement_options(parser)
+    parser.add_argument(
+        "--calib",
+        default="generated",
+        type=user_path,
+        help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]",
+    )
+
+
+def _add_output_options(parser) -> None:
+    """What both converters write: the checkpoint directory, its card's base model, and the JSON summary."""
+    parser.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
+    parser.add_argument("--out", required=True, help="output directory (written atomically)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier checkpoint in --out")
+    parser.add_argument("--json", action="store_true", help="print one JSON summary object")
+
+
 def _add_care(converters) -> None:
     from .care import METHODS
 
     care = converters.add_parser(
         "care", help="CARE: GQA → MLA with covariance-weighted SVD and water-filling ranks (caches latents)"
     )
-    care.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
-    add_model_placement_options(care)
+    _add_source_options(care)
     care.add_argument("--kv-keep", type=float, required=True, help="fraction of the K+V cache kept, in (0, 1]")
     care.add_argument("--method", default="care", choices=METHODS, help="factorization + rank allocation")
-    care.add_argument(
-        "--calib",
-        default="generated",
-        type=user_path,
-        help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]",
-    )
     care.add_argument("--calib-samples", type=int, default=256, help="calibration sequences (spec default 256)")
     care.add_argument("--calib-seq-len", type=int, default=32, help="tokens per sequence (spec default 32)")
     care.add_argument("--alpha", type=float, default=0.05, help="covariance shrinkage weight α")
@@ -39,10 +52,7 @@ def _add_care(converters) -> None:
     care.add_argument(
         "--seed", type=int, default=0, help="calibration seed: the model's samples, or which windows of a text"
     )
-    care.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
-    care.add_argument("--out", required=True, help="output directory (written atomically)")
-    care.add_argument("--overwrite", action="store_true", help="replace an earlier checkpoint in --out")
-    care.add_argument("--json", action="store_true", help="print one JSON summary object")
+    _add_output_options(care)
     care.set_defaults(func=run_convert_care)
 
 
@@ -96,8 +106,7 @@ def _add_palu(converters) -> None:
     from .palu import QUANT_BITS, RANK_METHODS
 
     parser = converters.add_parser("palu", help="Palu: grouped low-rank K/V latents, Fisher ranks, low-bit")
-    parser.add_argument("--model", default="smollm2-135m", help="Hub id, local directory or smollm2-135m")
-    add_model_placement_options(parser)
+    _add_source_options(parser)
     parser.add_argument("--kv-keep", type=float, required=True, help="fraction of the K+V cache width kept, (0, 1]")
     parser.add_argument(
         "--group-size", type=int, default=None,
@@ -120,22 +129,13 @@ def _add_palu(converters) -> None:
         help="most recent tokens also served in full precision (with --quant-bits; a fixed cost per sequence)",
     )  # fmt: skip
     parser.add_argument("--no-hadamard", action="store_true", help="do not fold the Walsh–Hadamard rotation")
-    parser.add_argument(
-        "--calib",
-        default="generated",
-        type=user_path,
-        help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]",
-    )
     parser.add_argument("--calib-samples", type=int, default=64, help="calibration sequences")
     parser.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
     parser.add_argument(
         "--fisher-samples", type=int, default=16, help="calibration sequences for the Fisher scores (--ranks fisher)"
     )
     parser.add_argument("--rank-multiple", type=int, default=8, help="every group rank is a multiple of this")
-    parser.add_argument("--base-model", help="Hub id for the model card (default: --model when it is a Hub id)")
-    parser.add_argument("--out", required=True, help="output directory (written atomically)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier checkpoint in --out")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_output_options(parser)
     parser.set_defaults(func=run_convert_palu)
 
 
