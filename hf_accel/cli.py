@@ -58,8 +58,10 @@ def device_name(value: str) -> str:
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def add_model_placement_options(parser) -> None:
-    """`--device` and `--dtype`: where a command's model runs and in which precision (read by [`model_placement`])."""
+def add_model_options(parser) -> None:
+    """`--model`, `--device` and `--dtype`: the model a command loads, where it runs and in which precision (read by
+    [`load_model`])."""
+    parser.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
     parser.add_argument(
         "--device", type=device_name, default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, mps, ..."
     )
@@ -68,15 +70,17 @@ def add_model_placement_options(parser) -> None:
     )
 
 
-def model_placement(args) -> dict:
-    """`load_model_and_tokenizer` keyword arguments for `--device` and `--dtype`: loaded straight onto the device
-    (no CPU copy first), and the CPU default exactly as without them."""
+def load_model(args):
+    """`(model, tokenizer)` of `--model`, loaded straight onto `--device` (no CPU copy first) in `--dtype`, with the
+    command's `--trust-remote-code` where it has one; the CPU default exactly as without these options."""
     import torch
 
-    placement = {"dtype": getattr(torch, args.dtype)}
+    from .loading import load_model_and_tokenizer
+
+    kwargs = {"dtype": getattr(torch, args.dtype), "trust_remote_code": getattr(args, "trust_remote_code", False)}
     if args.device != "cpu":
-        placement["device_map"] = args.device
-    return placement
+        kwargs["device_map"] = args.device
+    return load_model_and_tokenizer(args.model, **kwargs)
 
 
 def placement_record(args) -> dict:

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from ..cli import add_model_placement_options, model_placement, user_path
+from ..cli import add_model_options, load_model, user_path
 
 
 def add_cli(commands) -> argparse.ArgumentParser:
@@ -18,8 +18,7 @@ def add_cli(commands) -> argparse.ArgumentParser:
 
 def _add_source_options(parser) -> None:
     """What both converters read: the model, where it runs, and the calibration text."""
-    parser.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
-    add_model_placement_options(parser)
+    add_model_options(parser)
     parser.add_argument(
         "--calib",
         default="generated",
@@ -59,7 +58,7 @@ def _add_care(converters) -> None:
 def run_convert_care(args) -> int:
     from ..atomic import check_output_dir
     from ..cli import print_json
-    from ..loading import load_model_and_tokenizer, resolve_model, to_checkpoint_dtype
+    from ..loading import resolve_model, to_checkpoint_dtype
     from .calibration import check_calibration_source
     from .care import CareConversionConfig, run_care_conversion, save_care_model
     from .export import card_base_model, check_source_model
@@ -77,7 +76,7 @@ def run_convert_care(args) -> int:
     check_source_model(args.model, source)
     base_model = card_base_model(args.base_model or args.model)
     check_output_dir(args.out, args.overwrite)
-    model, tokenizer = load_model_and_tokenizer(args.model, **model_placement(args))
+    model, tokenizer = load_model(args)
     result = run_care_conversion(
         model,
         tokenizer,
@@ -142,7 +141,7 @@ def _add_palu(converters) -> None:
 def run_convert_palu(args) -> int:
     from ..atomic import check_output_dir
     from ..cli import print_json
-    from ..loading import load_model_and_tokenizer, resolve_model, to_checkpoint_dtype
+    from ..loading import resolve_model, to_checkpoint_dtype
     from .calibration import check_calibration_source, load_calibration_ids, published_calibration_source
     from .export import card_base_model, check_source_model
     from .palu import PaluConversionConfig, check_palu_model, convert_palu, save_palu, window_bytes_per_sequence
@@ -165,7 +164,7 @@ def run_convert_palu(args) -> int:
     check_source_model(args.model, source)
     base_model = card_base_model(args.base_model or args.model)
     out = check_output_dir(args.out, args.overwrite)
-    model, tokenizer = load_model_and_tokenizer(args.model, **model_placement(args))
+    model, tokenizer = load_model(args)
     group_size = check_palu_model(model, conversion)  # before the (slow) calibration
     ids = load_calibration_ids(
         model, tokenizer, args.calib, args.calib_samples, args.calib_seq_len, seed=conversion.seed,

@@ -4,14 +4,13 @@ import argparse
 import math
 import sys
 
-from ..cli import add_model_placement_options, model_placement, placement_record, print_json, user_path
+from ..cli import add_model_options, load_model, placement_record, print_json, user_path
 
 
 def add_cli(commands) -> None:
     evaluate = commands.add_parser("eval", help="measure model quality").add_subparsers(dest="what", required=True)
     ppl = evaluate.add_parser("ppl", help="perplexity over non-overlapping windows")
-    ppl.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
-    add_model_placement_options(ppl)
+    add_model_options(ppl)
     source = ppl.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", type=user_path, help="a plain UTF-8 text file")
     source.add_argument(
@@ -28,8 +27,7 @@ def add_cli(commands) -> None:
 
     bench = commands.add_parser("bench", help="benchmark speed").add_subparsers(dest="what", required=True)
     gen = bench.add_parser("generate", help="tokens/s of generation methods side by side")
-    gen.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
-    add_model_placement_options(gen)
+    add_model_options(gen)
     gen.add_argument(
         "--prompts", required=True, type=user_path, help="Spec-Bench JSONL file, `humaneval`, or a built-in set name"
     )
@@ -52,15 +50,12 @@ def _positive(name: str, value) -> None:
 
 
 def _run_ppl(args: argparse.Namespace) -> int:
-    from ..loading import load_model_and_tokenizer
     from .perplexity import compute_perplexity, read_eval_text
 
     for name in ("seq_len", "max_tokens", "batch_size"):
         _positive(name.replace("_", "-"), getattr(args, name))
     text = read_eval_text(args.text, args.dataset, args.split, args.text_column)
-    model, tokenizer = load_model_and_tokenizer(
-        args.model, trust_remote_code=args.trust_remote_code, **model_placement(args)
-    )
+    model, tokenizer = load_model(args)
     context = getattr(model.config, "max_position_embeddings", None)
     if context and args.seq_len > context:
         print(f"warning: --seq-len {args.seq_len} is past the model's {context} positions", file=sys.stderr)
@@ -75,7 +70,6 @@ def _run_ppl(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from ..loading import load_model_and_tokenizer
     from .bench import bench_generate, check_method_names
     from .prompts import load_prompts
 
@@ -90,9 +84,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise ValueError("--methods is empty")
     check_method_names(methods)
     load_prompts(args.prompts, None, args.limit, args.offset)  # a bad prompts file fails before the model loads
-    model, tokenizer = load_model_and_tokenizer(
-        args.model, trust_remote_code=args.trust_remote_code, **model_placement(args)
-    )
+    model, tokenizer = load_model(args)
     prompts = load_prompts(args.prompts, tokenizer, args.limit, args.offset)
     result = {"model": args.model, "prompt_source": args.prompts, "offset": args.offset, "limit": args.limit}
     result.update(placement_record(args))

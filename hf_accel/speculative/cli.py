@@ -6,7 +6,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..cli import add_model_placement_options, model_placement, user_path
+from ..cli import add_model_options, load_model, user_path
 
 
 def add_cli(commands) -> None:
@@ -18,8 +18,7 @@ def add_cli(commands) -> None:
         help="build an index (tokens of the model's tokenizer)",
         description="Builds an index; --text, --dataset and --self-distill combine: every source given is indexed.",
     )
-    build.add_argument("--model", default="smollm2-135m", help="Hub id, local directory, or `smollm2-135m`")
-    add_model_placement_options(build)  # the model runs only with --self-distill
+    add_model_options(build)  # the model runs only with --self-distill; its tokenizer always
     build.add_argument("--out", required=True, help="index directory to write")
     build.add_argument("--text", nargs="+", default=[], type=user_path, help="plain text files (one document each)")
     build.add_argument(
@@ -42,7 +41,7 @@ def add_cli(commands) -> None:
 def _run_build(args) -> int:
     from ..atomic import check_output_path
     from ..cli import print_json
-    from ..loading import load_model_and_tokenizer, load_tokenizer
+    from ..loading import load_tokenizer
     from .drafters.build import (
         SELF_DISTILL_CACHE,
         SELF_DISTILL_LOCK,
@@ -73,9 +72,7 @@ def _run_build(args) -> int:
     for name, offset, limit in prompt_sets:  # a bad slice, set name or file fails before the model loads
         load_prompts(name, None, limit=limit, offset=offset)
     if args.self_distill:
-        model, tokenizer = load_model_and_tokenizer(
-            args.model, trust_remote_code=args.trust_remote_code, **model_placement(args)
-        )
+        model, tokenizer = load_model(args)
     else:
         model, tokenizer = None, load_tokenizer(args.model, args.trust_remote_code)
     documents, sources = [], []  # iterables, consumed once as the index is written
