@@ -258,16 +258,23 @@ def _check_no_remote_code(name: str, path: str) -> None:
         )
 
 
-def left_padded_batch(tokenizer, texts: list[str], **kwargs):
+def left_padded_batch(tokenizer, texts: list[str], add_special_tokens: bool | list[bool] = True):
     """`(inputs, pad_token_id)`: `texts` as one batch padded on the left whatever the tokenizer's default (generated
     tokens must follow each prompt's last token), and the pad id to give `generate`. A tokenizer without a pad token
     (Llama, Mistral) pads with EOS, as `generate` does (the attention mask hides the pads), and is left as it was;
-    [`load_model_and_tokenizer`] sets this for good. `kwargs` go to the tokenizer call."""
+    [`load_model_and_tokenizer`] sets this for good. `add_special_tokens` is one flag for every text, or one per
+    text (each text tokenized as asked, then the rows padded together)."""
     borrow = getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None
     if borrow:
         tokenizer.pad_token = tokenizer.eos_token
     try:
-        inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", **kwargs)
+        if isinstance(add_special_tokens, bool):
+            inputs = tokenizer(
+                texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special_tokens
+            )
+        else:
+            rows = [tokenizer(text, add_special_tokens=flag) for text, flag in zip(texts, add_special_tokens)]
+            inputs = tokenizer.pad(rows, padding=True, padding_side="left", return_tensors="pt")
         return inputs, tokenizer.pad_token_id
     finally:
         if borrow:

@@ -393,16 +393,9 @@ def load_calibration_ids(
 
 def _encode_prompts(tokenizer, prompts):
     """`(inputs, pad_token_id)` of the prompts padded on the left, in the chat template if any."""
-    from ..loading import left_padded_batch
+    from ..eval.prompts import encode_prompts, user_prompt
 
-    texts, kwargs = list(prompts), {}
-    if getattr(tokenizer, "chat_template", None):
-        texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts
-        ]
-        kwargs["add_special_tokens"] = False
-    return left_padded_batch(tokenizer, texts, **kwargs)
+    return encode_prompts(tokenizer, [user_prompt(tokenizer, p) for p in prompts])
 
 
 def load_calibration_text(source: str, split: str = "train", column: str = "text") -> str:

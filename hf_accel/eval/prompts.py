@@ -65,18 +65,24 @@ def humaneval_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
 
 
+def user_prompt(tokenizer, message: str, question_id: str = "", category: str = "default") -> BenchPrompt:
+    """A user `message` as the model is asked it: in the tokenizer's chat template when it has one (with the
+    generation prompt), else the message itself, to be continued as text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return BenchPrompt(question_id, category, message)
+    messages = [{"role": "user", "content": message}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return BenchPrompt(question_id, category, text, chat=True)
+
+
 def _render(record: dict, where: str, tokenizer) -> BenchPrompt:
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
             raise ValueError(f"{where}: `turns` must be a non-empty list of strings")
-        if getattr(tokenizer, "chat_template", None):
-            messages = [{"role": "user", "content": turns[0]}]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
-            text = turns[0]
-        chat = bool(getattr(tokenizer, "chat_template", None))
-        return BenchPrompt(str(record.get("question_id", where)), str(record.get("category", "default")), text, chat)
+        return user_prompt(
+            tokenizer, turns[0], str(record.get("question_id", where)), str(record.get("category", "default"))
+        )
     if isinstance(record.get("prompt"), str) and record["prompt"].strip():
         return BenchPrompt(str(record.get("task_id", record.get("question_id", where))), HUMANEVAL, record["prompt"])
     raise ValueError(f"{where}: a prompt record needs `turns` (Spec-Bench format) or `prompt` (HumanEval format)")
@@ -123,25 +129,11 @@ def adds_special_tokens(tokenizer, prompt: BenchPrompt) -> bool:
 def encode_prompts(tokenizer, prompts: list[BenchPrompt]):
     """`(inputs, pad_token_id)`: `prompts` as one left-padded batch ([`~hf_accel.loading.left_padded_batch`]), a
     chat-templated one without the tokenizer's special tokens, a raw one with them (see the module docstring)."""
-    import torch
-    from transformers import BatchEncoding
-
     from ..loading import left_padded_batch
 
     kinds = {p.chat for p in prompts}
-    if len(kinds) == 1:
-        return left_padded_batch(tokenizer, [p.text for p in prompts], add_special_tokens=not kinds.pop())
-    # a file of chat and raw records: each prompt tokenized as its kind, then padded on the left here
-    rows = [left_padded_batch(tokenizer, [p.text], add_special_tokens=not p.chat) for p in prompts]
-    pad_token_id = rows[0][1]
-    width = max(inputs["input_ids"].shape[1] for inputs, _ in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (inputs, _) in enumerate(rows):
-        length = inputs["input_ids"].shape[1]
-        input_ids[i, width - length :] = inputs["input_ids"][0]
-        attention_mask[i, width - length :] = 1
-    return BatchEncoding({"input_ids": input_ids, "attention_mask": attention_mask}), pad_token_id
+    flags = not kinds.pop() if len(kinds) == 1 else [not p.chat for p in prompts]  # one call when all are alike
+    return left_padded_batch(tokenizer, [p.text for p in prompts], add_special_tokens=flags)
 
 
 def _check_unique_ids(prompts: list[BenchPrompt], path: Path) -> None:
