@@ -55,13 +55,26 @@ def _add_care(converters) -> None:
     care.set_defaults(func=run_convert_care)
 
 
-def run_convert_care(args) -> int:
+def _check_sources_and_output(args):
+    """What both converters check before the (slow) model load, so a bad option fails in a second: the calibration
+    source, the model (a missing local one is named first; a converted one is refused), the card's base model and
+    `--out`. Returns `(resolved model path, base model, output directory)`."""
     from ..atomic import check_output_dir
-    from ..cli import print_json
-    from ..loading import resolve_model, to_checkpoint_dtype
+    from ..loading import resolve_model
     from .calibration import check_calibration_source
-    from .care import CareConversionConfig, run_care_conversion, save_care_model
     from .export import card_base_model, check_source_model
+
+    check_calibration_source(args.calib)
+    source = resolve_model(args.model)
+    check_source_model(args.model, source)
+    base_model = card_base_model(args.base_model or args.model)
+    return source, base_model, check_output_dir(args.out, args.overwrite)
+
+
+def run_convert_care(args) -> int:
+    from ..cli import print_json
+    from ..loading import to_checkpoint_dtype
+    from .care import CareConversionConfig, run_care_conversion, save_care_model
 
     config = CareConversionConfig(
         kv_keep=args.kv_keep, method=args.method, alpha=args.alpha, absorb_value=args.absorb_value
@@ -71,11 +84,7 @@ def run_convert_care(args) -> int:
             f"--calib-samples must be ≥ 1 and --calib-seq-len ≥ 2 (a prediction needs two tokens), got "
             f"{args.calib_samples} and {args.calib_seq_len}"
         )
-    check_calibration_source(args.calib)
-    source = resolve_model(args.model)  # a missing local model is named first
-    check_source_model(args.model, source)
-    base_model = card_base_model(args.base_model or args.model)
-    check_output_dir(args.out, args.overwrite)
+    source, base_model, _ = _check_sources_and_output(args)
     model, tokenizer = load_model(args)
     result = run_care_conversion(
         model,
@@ -139,11 +148,9 @@ def _add_palu(converters) -> None:
 
 
 def run_convert_palu(args) -> int:
-    from ..atomic import check_output_dir
     from ..cli import print_json
-    from ..loading import resolve_model, to_checkpoint_dtype
-    from .calibration import check_calibration_source, load_calibration_ids, published_calibration_source
-    from .export import card_base_model, check_source_model
+    from ..loading import to_checkpoint_dtype
+    from .calibration import load_calibration_ids, published_calibration_source
     from .palu import PaluConversionConfig, check_palu_model, convert_palu, save_palu, window_bytes_per_sequence
 
     # Validate everything cheap before loading the model
@@ -159,11 +166,7 @@ def run_convert_palu(args) -> int:
         fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,
     )
-    check_calibration_source(args.calib)
-    source = resolve_model(args.model)  # a missing local model is named first
-    check_source_model(args.model, source)
-    base_model = card_base_model(args.base_model or args.model)
-    out = check_output_dir(args.out, args.overwrite)
+    source, base_model, out = _check_sources_and_output(args)
     model, tokenizer = load_model(args)
     group_size = check_palu_model(model, conversion)  # before the (slow) calibration
     ids = load_calibration_ids(
@@ -187,7 +190,7 @@ def run_convert_palu(args) -> int:
         quant_group_size=args.quant_group_size,
         residual_length=args.residual_length,
     )
-    palu = to_checkpoint_dtype(palu, source)  # converted in float32, saved like the original
+    palu = to_checkpoint_dtype(palu, source)  # converted in --dtype, saved like the original
     info["window_bytes_per_sequence"] = window_bytes_per_sequence(palu)  # in the saved dtype
     info["calibration_source"] = published_calibration_source(args.calib)  # a local file by its name
     save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
