@@ -70,7 +70,7 @@ def main():
         m, lo, hi = index.longest_suffix(context, 64)
         timings["longest_suffix"].append(time.perf_counter() - tic)
         tic = time.perf_counter()
-        index.continuations(lo, hi, m, 16, 1000)
+        index.continuations(lo, hi, 16, 1000)
         timings["continuations"].append(time.perf_counter() - tic)
         tic = time.perf_counter()
         drafter.draft_row(context, 16, 16)

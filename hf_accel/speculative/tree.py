@@ -14,7 +14,7 @@ Two index conventions are used, and each function says which:
 Every function here is pure (no model, no cache) and is tested against a brute-force construction.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,7 +51,6 @@ class DraftTree:
     node_mask: torch.BoolTensor | None = None
     aux_embeds: torch.FloatTensor | None = None
     aux_parent: torch.LongTensor | None = None
-    extras: dict = field(default_factory=dict)
 
     @property
     def num_nodes(self) -> int:

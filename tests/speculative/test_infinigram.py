@@ -80,7 +80,7 @@ def test_index_round_trip_matches_brute_force(small_index, monkeypatch, dense_ra
         m, lo, hi = index.longest_suffix(context)
         assert m == _brute_longest_suffix(docs, context)
         if m:
-            conts = index.continuations(lo, hi, m, depth=4, max_support=10**6)
+            conts = index.continuations(lo, hi, depth=4, max_support=10**6)
             got = sorted(tuple(int(t) for t in row if t >= 0) for row in conts)
             assert got == _brute_continuations(docs, context, m, 4)
 
@@ -820,17 +820,17 @@ def test_a_match_reaching_the_start_of_the_stream_stops_there(tmp_path, monkeypa
     for context in ([5, 5, 6], [9, 5, 6], [6, 5, 6], [7, 5, 6], [5, 6]):
         m, lo, hi = index.longest_suffix(context)
         assert m == _brute_longest_suffix(docs, context), context
-        got = sorted(tuple(int(t) for t in row if t >= 0) for row in index.continuations(lo, hi, m, depth=3))
+        got = sorted(tuple(int(t) for t in row if t >= 0) for row in index.continuations(lo, hi, depth=3))
         assert got == _brute_continuations(docs, context, m, 3), context
 
 
 def test_continuations_past_max_support_are_a_uniform_stride_of_all(small_index):
     _, index = small_index
-    m, lo, hi = index.longest_suffix([3])
-    everything = index.continuations(lo, hi, m, depth=3, max_support=10**6)
+    _, lo, hi = index.longest_suffix([3])
+    everything = index.continuations(lo, hi, depth=3, max_support=10**6)
     for max_support in (hi - lo - 1, (hi - lo) // 2, 7):
         stride = -(-(hi - lo) // max_support)  # the smallest stride that keeps at most max_support occurrences
-        sampled = index.continuations(lo, hi, m, depth=3, max_support=max_support)
+        sampled = index.continuations(lo, hi, depth=3, max_support=max_support)
         assert len(sampled) <= max_support
         np.testing.assert_array_equal(sampled, everything[::stride])
 

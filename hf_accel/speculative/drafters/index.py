@@ -388,7 +388,7 @@ class InfinigramIndex:
         block = np.nonzero(lcp == best)[0]
         return best, lo + int(block[0]), lo + int(block[-1]) + 1
 
-    def continuations(self, lo: int, hi: int, match_length: int, depth: int, max_support: int = 1000) -> np.ndarray:
+    def continuations(self, lo: int, hi: int, depth: int, max_support: int = 1000) -> np.ndarray:
         """Continuations of the occurrences in `[lo, hi)`: `int64[count, depth]`, `-1` after a document end.
 
         More than `max_support` occurrences are subsampled with a uniform deterministic stride (B.11 item 9: the

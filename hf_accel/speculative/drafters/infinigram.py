@@ -320,7 +320,7 @@ class InfinigramDrafter:
                 length, lo, hi = self.index.longest_suffix(context, max_match)
                 if length < cfg.min_match:
                     break
-                conts = self.index.continuations(lo, hi, length, depth, cfg.max_support)
+                conts = self.index.continuations(lo, hi, depth, cfg.max_support)
                 conts = conts[conts[:, 0] >= 0]
                 if len(conts):
                     groups.append((length, False, conts))
