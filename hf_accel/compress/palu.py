@@ -401,7 +401,7 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
     return load_converted_state(palu, state, model, "Palu")
 
 
-def _read_calibration(model, tokenizer, calibration_text, calibration_ids, conversion):
+def _read_calibration(tokenizer, calibration_text, calibration_ids, conversion):
     if calibration_ids is not None and calibration_text:
         raise ValueError("pass calibration_text or calibration_ids, not both")
     if calibration_ids is not None:
@@ -484,7 +484,7 @@ def convert_palu(
     start = time.perf_counter()
     input_ids = None
     if calibration is None or (conversion.ranks == "fisher" and fisher_scores is None):
-        input_ids = _read_calibration(model, tokenizer, calibration_text, calibration_ids, conversion)
+        input_ids = _read_calibration(tokenizer, calibration_text, calibration_ids, conversion)
     kfac = conversion.ranks == "kfac"
     if calibration is None:
         calibration = collect_kv_calibration(model, input_ids, with_output_grads=kfac, progress=progress)
