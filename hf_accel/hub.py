@@ -157,7 +157,7 @@ def is_hf_accel_card(path: str | Path) -> bool:
         return False
 
 
-def _eval_results(results, model_name: str):
+def _eval_results(results):
     """`EvalResult`s from measured numbers: dicts with `metric_type`, `metric_value`, `dataset_name` (and optionally
     any other `EvalResult` field), or `EvalResult` objects."""
     from huggingface_hub import EvalResult
@@ -300,7 +300,7 @@ def write_model_card(
         datasets=datasets,
         license=license,
         model_name=name,
-        eval_results=_eval_results(eval_results, name) or None,
+        eval_results=_eval_results(eval_results) or None,
     )
     ratio = None
     if kv_bytes_per_token and base_kv_bytes_per_token:
