@@ -19,7 +19,7 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -55,7 +55,6 @@ class PaluBenchConfig:
     residual_lengths: tuple = ()
     window_bytes_context: int = 2048
     seed: int = 3
-    extra: dict = field(default_factory=dict)
 
 
 def measure_palu_cache_bytes_per_token(model, input_ids: torch.Tensor) -> float:
@@ -282,8 +281,7 @@ def run_palu_quality_benchmark(
             rows.append(row)
             if progress:
                 tqdm.write(json.dumps(row), file=sys.stderr)
-    settings = {k: v for k, v in vars(config).items() if k != "extra"}
-    return {"base": base, "rows": rows, "timings": timings, "settings": settings}
+    return {"base": base, "rows": rows, "timings": timings, "settings": dict(vars(config))}
 
 
 def format_palu_table(report: dict) -> str:
