@@ -17,7 +17,8 @@ import torch
 
 def budget_from_kv_keep(widths: Sequence[int], kv_keep: float) -> int:
     """Total latent width `round(kv_keep · Σ widths)`; raises `ValueError` for `kv_keep` outside (0, 1]."""
-    if not (isinstance(kv_keep, numbers.Real) and 0.0 < kv_keep <= 1.0):  # numpy floats too
+    # numpy floats too; a bool is a `numbers.Real` but never a fraction someone meant
+    if isinstance(kv_keep, bool) or not (isinstance(kv_keep, numbers.Real) and 0.0 < kv_keep <= 1.0):
         raise ValueError(f"kv_keep must be in (0, 1] (the fraction of the K+V cache to keep), got {kv_keep!r}")
     return max(len(widths), round(kv_keep * sum(widths)))
 

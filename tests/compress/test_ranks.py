@@ -74,7 +74,7 @@ def test_water_fill_rejects_infeasible_budget():
             fill(gains, 3, floors=[1])
 
 
-@pytest.mark.parametrize("kv_keep", [0.0, -0.1, 1.5, float("nan")])
+@pytest.mark.parametrize("kv_keep", [0.0, -0.1, 1.5, float("nan"), True])
 def test_kv_keep_outside_unit_interval_is_an_error(kv_keep):
     with pytest.raises(ValueError, match="kv_keep"):
         budget_from_kv_keep([4, 4], kv_keep)
