@@ -41,12 +41,12 @@ from .ranks import budget_from_kv_keep, raw_sigma_gains, relative_energy_gains, 
 
 
 METHODS = ("care", "care-u", "care-e-raw", "care-e-rel", "svd", "asvd")
-# model_type of the original → (config class, model class) in hf_accel/models/{configuration,modeling}_care.py
+# model_type of the original → (config class, causal LM class, bare decoder class) in hf_accel/models/{configuration,modeling}_care.py
 FAMILIES = {
-    "llama": ("CareLlamaConfig", "CareLlamaForCausalLM"),
-    "mistral": ("CareMistralConfig", "CareMistralForCausalLM"),
-    "qwen2": ("CareQwen2Config", "CareQwen2ForCausalLM"),
-    "qwen3": ("CareQwen3Config", "CareQwen3ForCausalLM"),
+    "llama": ("CareLlamaConfig", "CareLlamaForCausalLM", "CareLlamaModel"),
+    "mistral": ("CareMistralConfig", "CareMistralForCausalLM", "CareMistralModel"),
+    "qwen2": ("CareQwen2Config", "CareQwen2ForCausalLM", "CareQwen2Model"),
+    "qwen3": ("CareQwen3Config", "CareQwen3ForCausalLM", "CareQwen3Model"),
 }
 
 
@@ -196,6 +196,7 @@ def care_config_from(model, k_ranks, v_ranks, absorb_value: bool = False):
     config.auto_map = {
         "AutoConfig": f"configuration_care.{FAMILIES[family][0]}",
         "AutoModelForCausalLM": f"modeling_care.{FAMILIES[family][1]}",
+        "AutoModel": f"modeling_care.{FAMILIES[family][2]}",  # the bare decoder: feature extraction
     }
     config._attn_implementation = model.config._attn_implementation
     return config

@@ -357,6 +357,7 @@ def palu_config_from(model, group_size, k_ranks, v_ranks, conversion: PaluConver
     config.auto_map = {
         "AutoConfig": "configuration_palu.PaluLlamaConfig",
         "AutoModelForCausalLM": "modeling_palu.PaluLlamaForCausalLM",
+        "AutoModel": "modeling_palu.PaluLlamaModel",  # the bare decoder: feature extraction
     }
     config._attn_implementation = "eager"  # the Palu kernels read additive masks
     return config

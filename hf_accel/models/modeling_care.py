@@ -26,13 +26,19 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaForCausalLM,
+    LlamaModel,
     LlamaRotaryEmbedding,
     eager_attention_forward,
     rotate_half,
 )
-from transformers.models.mistral.modeling_mistral import MistralAttention, MistralForCausalLM, MistralRotaryEmbedding
-from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2ForCausalLM, Qwen2RotaryEmbedding
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3RotaryEmbedding
+from transformers.models.mistral.modeling_mistral import (
+    MistralAttention,
+    MistralForCausalLM,
+    MistralModel,
+    MistralRotaryEmbedding,
+)
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2ForCausalLM, Qwen2Model, Qwen2RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3Model, Qwen3RotaryEmbedding
 
 from .configuration_care import CareLlamaConfig, CareMistralConfig, CareQwen2Config, CareQwen3Config
 
@@ -201,6 +207,21 @@ class CareQwen3Attention(CareAttentionMixin, Qwen3Attention):
     rotary_class = Qwen3RotaryEmbedding
 
 
+class CareModelMixin:
+    """A family's bare decoder (`AutoModel`, feature extraction) with CARE attention in every layer; put it first in
+    the bases. It loads the `model.` weights of a causal LM checkpoint, as a family's `LlamaModel` does."""
+
+    care_attention_class: type
+    _accepts_key_positions = True
+    _auto_class = "AutoModel"  # as `CareForCausalLMMixin._auto_class`: save_pretrained writes the code files too
+
+    def __init__(self, config):
+        super().__init__(config)
+        for idx, layer in enumerate(self.layers):
+            layer.self_attn = self.care_attention_class(config, idx)  # diff with the family's Model
+        self.post_init()
+
+
 class CareForCausalLMMixin:
     """A family's causal LM with CARE attention in every layer; put it first in the bases."""
 
@@ -236,6 +257,26 @@ class CareForCausalLMMixin:
         return inputs
 
 
+class CareLlamaModel(CareModelMixin, LlamaModel):
+    config_class = CareLlamaConfig
+    care_attention_class = CareLlamaAttention
+
+
+class CareMistralModel(CareModelMixin, MistralModel):
+    config_class = CareMistralConfig
+    care_attention_class = CareMistralAttention
+
+
+class CareQwen2Model(CareModelMixin, Qwen2Model):
+    config_class = CareQwen2Config
+    care_attention_class = CareQwen2Attention
+
+
+class CareQwen3Model(CareModelMixin, Qwen3Model):
+    config_class = CareQwen3Config
+    care_attention_class = CareQwen3Attention
+
+
 class CareLlamaForCausalLM(CareForCausalLMMixin, LlamaForCausalLM):
     config_class = CareLlamaConfig
     care_attention_class = CareLlamaAttention
@@ -258,7 +299,11 @@ class CareQwen3ForCausalLM(CareForCausalLMMixin, Qwen3ForCausalLM):
 
 __all__ = [
     "CareLlamaForCausalLM",
+    "CareLlamaModel",
     "CareMistralForCausalLM",
+    "CareMistralModel",
     "CareQwen2ForCausalLM",
+    "CareQwen2Model",
     "CareQwen3ForCausalLM",
+    "CareQwen3Model",
 ]

@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicCache, StaticLayer
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaForCausalLM,
+    LlamaModel,
     LlamaRotaryEmbedding,
     rotate_half,
 )
@@ -223,7 +224,38 @@ class PaluLlamaAttention(PaluAttentionMixin, LlamaAttention):
     rotary_class = LlamaRotaryEmbedding
 
 
-class PaluLlamaForCausalLM(LlamaForCausalLM):
+class _SavesOwnKernelsMixin:
+    """`save_pretrained` (and its push to the Hub) writes the checkpoint's self-contained `palu_kernels.py`."""
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        _write_own_kernels(save_directory)
+
+    def _upload_modified_files(self, working_dir, *args, **kwargs):
+        # save_pretrained(push_to_hub=True) uploads before it returns: the kernels must be self-contained by then
+        _write_own_kernels(working_dir)
+        return super()._upload_modified_files(working_dir, *args, **kwargs)
+
+
+class PaluLlamaModel(_SavesOwnKernelsMixin, LlamaModel):
+    """The bare decoder (`AutoModel`, feature extraction) with Palu attention in every layer. It loads the `model.`
+    weights of a causal LM checkpoint, as `LlamaModel` does."""
+
+    config_class = PaluLlamaConfig
+    _accepts_key_positions = True
+    _auto_class = "AutoModel"  # as `PaluLlamaForCausalLM._auto_class`: save_pretrained writes the code files too
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+
+    def __init__(self, config: PaluLlamaConfig):
+        super().__init__(config)
+        for idx, layer in enumerate(self.layers):
+            layer.self_attn = PaluLlamaAttention(config, idx)  # diff with LlamaModel
+        self.post_init()
+
+
+class PaluLlamaForCausalLM(_SavesOwnKernelsMixin, LlamaForCausalLM):
     config_class = PaluLlamaConfig
     # Cached keys are RoPE'd at attention time: with masked holes between cache slots (batched speculative
     # decoding), hf-accel's engine passes every slot's position as `key_positions`.
@@ -255,15 +287,6 @@ class PaluLlamaForCausalLM(LlamaForCausalLM):
         if key_positions is not None:
             inputs["key_positions"] = key_positions
         return inputs
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        _write_own_kernels(save_directory)
-
-    def _upload_modified_files(self, working_dir, *args, **kwargs):
-        # save_pretrained(push_to_hub=True) uploads before it returns: the kernels must be self-contained by then
-        _write_own_kernels(working_dir)
-        return super()._upload_modified_files(working_dir, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # diff with LlamaForCausalLM: a quantized Palu model decodes into a PaluQuantizedCache
@@ -304,4 +327,4 @@ def make_palu_cache(config):
     )
 
 
-__all__ = ["PaluLlamaForCausalLM", "make_palu_cache"]
+__all__ = ["PaluLlamaForCausalLM", "PaluLlamaModel", "make_palu_cache"]

@@ -318,3 +318,19 @@ def test_full_rank_reproduces_original_logits_for_each_rope_type(family, rope):
     attention_mask[0, :3] = 0
     kwargs = {"input_ids": ids[:, :8], "attention_mask": attention_mask, "max_new_tokens": 30, "do_sample": False}
     assert torch.equal(care.generate(**kwargs), model.generate(**kwargs))
+
+
+def test_auto_model_loads_the_bare_decoder_with_latent_attention(family_setup, tmp_path):
+    # config.json's auto_map named AutoConfig and AutoModelForCausalLM only: AutoModel (feature extraction) refused the
+    # checkpoint with "Unrecognized configuration class"
+    from transformers import AutoModel
+
+    family, model, calibration = family_setup
+    care = convert_care(model, kv_keep=0.5, calibration=calibration, progress=False)
+    care.save_pretrained(tmp_path / family)
+    bare = AutoModel.from_pretrained(tmp_path / family, trust_remote_code=True)
+    assert type(bare).__name__ == type(care).__name__.replace("ForCausalLM", "Model")
+    assert type(bare.layers[0].self_attn).__name__.startswith("Care")
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(bare(ids).last_hidden_state, care.model(ids).last_hidden_state, atol=1e-6, rtol=0)

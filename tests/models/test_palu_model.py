@@ -678,3 +678,17 @@ def test_a_config_with_bad_quantization_fields_is_refused_at_load(fields, messag
     assert PaluLlamaConfig(**shape, **ranks, palu_quant_group_size=4, palu_residual_length=2)  # these are fine
     with pytest.raises(ValueError, match=message):
         PaluLlamaConfig(**shape, **ranks, **fields)
+
+
+def test_auto_model_loads_the_bare_decoder_with_latent_attention(palu, tmp_path):
+    # config.json's auto_map named AutoConfig and AutoModelForCausalLM only: AutoModel (feature extraction) refused the
+    # checkpoint with "Unrecognized configuration class"
+    from transformers import AutoModel
+
+    palu.save_pretrained(tmp_path / "palu")
+    bare = AutoModel.from_pretrained(tmp_path / "palu", trust_remote_code=True)
+    assert type(bare).__name__ == "PaluLlamaModel"
+    assert type(bare.layers[0].self_attn).__name__ == "PaluLlamaAttention"
+    ids = _ids(2, 11)
+    with torch.no_grad():
+        torch.testing.assert_close(bare(input_ids=ids).last_hidden_state, palu.model(input_ids=ids).last_hidden_state)
