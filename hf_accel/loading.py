@@ -262,8 +262,13 @@ def left_padded_batch(tokenizer, texts: list[str], add_special_tokens: bool | li
     """`(inputs, pad_token_id)`: `texts` as one batch padded on the left whatever the tokenizer's default (generated
     tokens must follow each prompt's last token), and the pad id to give `generate`. A tokenizer without a pad token
     (Llama, Mistral) pads with EOS, as `generate` does (the attention mask hides the pads), and is left as it was;
-    [`load_model_and_tokenizer`] sets this for good. `add_special_tokens` is one flag for every text, or one per
-    text (each text tokenized as asked, then the rows padded together)."""
+    [`load_model_and_tokenizer`] sets this for good. One with neither pads with id 0 (any id serves under the mask)
+    and gives pad id `None` (`generate` then takes its generation config's). `add_special_tokens` is one flag for
+    every text, or one per text (each text tokenized as asked, then the rows padded together)."""
+    if getattr(tokenizer, "pad_token_id", None) is None and getattr(tokenizer, "eos_token", None) is None:
+        flags = [add_special_tokens] * len(texts) if isinstance(add_special_tokens, bool) else add_special_tokens
+        rows = [tokenizer(text, add_special_tokens=flag)["input_ids"] for text, flag in zip(texts, flags)]
+        return _left_padded_ids(rows, pad_id=0), None
     borrow = getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None
     if borrow:
         tokenizer.pad_token = tokenizer.eos_token
@@ -279,6 +284,21 @@ def left_padded_batch(tokenizer, texts: list[str], add_special_tokens: bool | li
     finally:
         if borrow:
             tokenizer.pad_token = None
+
+
+def _left_padded_ids(rows: list[list[int]], pad_id: int):
+    """`rows` of token ids as a `BatchEncoding` of `input_ids` and `attention_mask` `[len(rows), longest]`, padded on
+    the left with `pad_id`."""
+    from transformers import BatchEncoding
+
+    width = max((len(row) for row in rows), default=0)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            input_ids[i, width - len(row) :] = torch.tensor(row)
+            attention_mask[i, width - len(row) :] = 1
+    return BatchEncoding({"input_ids": input_ids, "attention_mask": attention_mask})
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL, trust_remote_code: bool = False):

@@ -317,6 +317,28 @@ def test_a_tokenizer_without_a_pad_token_pads_batches_with_eos(tmp_path):
     assert tokenizer.pad_token is None and tokenizer.padding_side == "right"
 
 
+def test_a_tokenizer_with_neither_pad_nor_eos_token_batches_prompts(tmp_path):
+    """A tokenizer with no pad token and no EOS to borrow failed every batch, a single prompt included (transformers'
+    "Asking to pad but the tokenizer does not have a padding token"): the prompts are padded on the left with id 0
+    under the mask, each answer as if generated alone, and the tokenizer is left as it was."""
+    from hf_accel.speculative.drafters.build import self_distill
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    model, tokenizer = make_tiny_llama(seed=0, vocab_size=128), make_char_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token = None
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    prompts = [BenchPrompt(str(i), "c", text) for i, text in enumerate(["abc", "hello there", "x"])]
+    result = bench_generate(model, tokenizer, prompts, ["ngram"], batch_size=3, max_new_tokens=6)
+    assert result["methods"]["ngram"]["identical"] is True
+    answers = self_distill(model, tokenizer, prompts, tmp_path, max_new_tokens=6, use_speculation=False)
+    alone = [
+        self_distill(model, tokenizer, [p], tmp_path / p.question_id, 6, use_speculation=False)[0] for p in prompts
+    ]
+    assert answers == alone and all(len(a) == 6 for a in answers)
+    assert tokenizer.pad_token is None and tokenizer.eos_token is None
+
+
 def _bos_char_tokenizer():
     """The character tokenizer adding `<s>` to every text, as Llama's and Mistral's tokenizers do."""
     from tokenizers import processors
