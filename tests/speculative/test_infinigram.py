@@ -480,6 +480,21 @@ def test_a_malformed_header_is_one_clear_error(small_index, tmp_path, edit, mess
             InfinigramIndex(path)
 
 
+def test_a_header_larger_than_the_cap_is_refused_before_it_is_read(small_index, tmp_path):
+    # header.json was read whole: an untrusted index directory could hand a file of any size (a sparse one costs no
+    # disk); one byte past the cap, even of valid JSON (trailing whitespace), is one clear error
+    cap = 1 << 24  # 16 MiB
+    path = tmp_path / "copy"
+    shutil.copytree(small_index[1].path, path)
+    text = (path / "header.json").read_text()
+    (path / "header.json").write_text(text + " " * (cap - len(text)))
+    assert InfinigramIndex(path).header.num_tokens == small_index[1].header.num_tokens  # at the cap: read
+    with open(path / "header.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(ValueError, match=r"header.json is larger than an index header's 16,777,216 bytes; not read"):
+        InfinigramIndex(path)
+
+
 def test_a_first_table_of_another_index_is_refused(small_index, tmp_path):
     path = tmp_path / "copy"
     shutil.copytree(small_index[1].path, path)

@@ -33,6 +33,9 @@ SEPARATOR = np.uint32(0xFFFFFFFF)
 INDEX_FILES = ("header.json", "tokens.u32", "sa.bin", "first.npy")
 # The indexes shipped in the package (self-distilled from the default model), loaded by folder name
 SHIPPED_INDEXES_DIR = Path(__file__).resolve().parents[2] / "data" / "indexes"
+# A header is a few hundred bytes (its `sources` list grows by one short line per input); a larger file, as an
+# untrusted index directory may hold, is refused before it is read whole
+MAX_HEADER_BYTES = 1 << 24
 # Ranges narrower than this are narrowed with one vectorised read; wider ones with a scalar binary search.
 _DENSE_RANGE = 2048
 # Ranges this small are finished with one read of every candidate's whole common prefix.
@@ -233,8 +236,14 @@ class InfinigramIndex:
         rebuild = "; rebuild it with `hf-accel index build`"
         for name, target in links_outside(self.path).items():
             raise ValueError(f"index {self.path}: {name} links outside the index directory, to {target}; not read")
+        with open(header_file, "rb") as f:
+            data = f.read(MAX_HEADER_BYTES + 1)  # read to the cap only: the file may grow, or be a sparse giant
+        if len(data) > MAX_HEADER_BYTES:
+            raise ValueError(
+                f"index {self.path}: header.json is larger than an index header's {MAX_HEADER_BYTES:,} bytes; not read"
+            )
         try:
-            raw = json.loads(header_file.read_text(encoding="utf-8"))
+            raw = json.loads(data.decode("utf-8"))
             version = raw.get("format_version") if isinstance(raw, dict) else None
         except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, arrays nested too deep
             raise ValueError(f"index {self.path}: header.json is not valid JSON ({err}){rebuild}") from None
