@@ -8,6 +8,7 @@ Example:
     python scripts/bench_care.py --kv-keep 0.75 0.5 0.25 0.125 --json
 """
 
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -57,7 +58,10 @@ def cached(path: str | None, settings: dict, make):
     if path is None:
         return make()
     if Path(path).is_file():
-        saved = torch.load(path, weights_only=False)
+        try:  # tensors, lists, dicts and plain values only: a pickle of anything else could run code on load
+            saved = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError:  # an older bench_care's file, which pickled the calibration's class
+            saved = None
         if not isinstance(saved, dict) or saved.get("settings") != settings:
             made_with = saved.get("settings") if isinstance(saved, dict) else "an older bench_care"
             raise SystemExit(f"{path} was made with {made_with}, not {settings}: remove it or name another file")
@@ -68,7 +72,7 @@ def cached(path: str | None, settings: dict, make):
 
 
 def main(argv=None) -> int:
-    from hf_accel.compress.calibration import calibrate_mixed
+    from hf_accel.compress.calibration import KvCalibration, calibrate_mixed
     from hf_accel.eval.care_quality import benchmark_care, format_care_table, generated_text, split_text
     from hf_accel.loading import load_model_and_tokenizer
 
@@ -78,19 +82,22 @@ def main(argv=None) -> int:
     calib_text, heldout_text = split_text(Path(args.text).read_text(encoding="utf-8"))
     start = time.perf_counter()
     settings = {"model": args.model, "text": str(Path(args.text).resolve()), "seed": args.seed}
-    calibration = cached(
+    fields = cached(  # the calibration's fields, not the object: the file loads with weights_only=True
         args.calib_cache,
         dict(settings, samples=[args.calib_text_samples, args.calib_generated_samples], seq_len=args.calib_seq_len),
-        lambda: calibrate_mixed(
-            model,
-            tokenizer,
-            calib_text,
-            args.calib_text_samples,
-            args.calib_generated_samples,
-            args.calib_seq_len,
-            seed=args.seed,
+        lambda: vars(
+            calibrate_mixed(
+                model,
+                tokenizer,
+                calib_text,
+                args.calib_text_samples,
+                args.calib_generated_samples,
+                args.calib_seq_len,
+                seed=args.seed,
+            )
         ),
     )
+    calibration = KvCalibration(**fields)
     calibration_seconds = time.perf_counter() - start
     gen_samples = max(1, args.eval_generated_tokens // 256 + 2)
     heldout_generated = cached(

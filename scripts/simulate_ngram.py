@@ -81,6 +81,19 @@ def parse_grid(text: str) -> dict:
     return grid
 
 
+def read_extra_docs(path: str, parser) -> list[list[int]]:
+    """The documents of `--extra-docs`: a JSON list of lists of token ids (JSON, not a pickle, which runs code on load)."""
+    try:
+        docs = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        parser.error(f"--extra-docs {path}: {err}")
+    if not isinstance(docs, list) or not all(
+        isinstance(doc, list) and all(type(t) is int for t in doc) for doc in docs
+    ):
+        parser.error(f"--extra-docs {path}: not a JSON list of token-id lists ([[id, ...], ...])")
+    return docs
+
+
 def main():
     parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", required=True)
@@ -90,7 +103,11 @@ def main():
     parser.add_argument("--eval-last", type=int, default=20)
     parser.add_argument("--model", default="smollm2-135m", help="the --model the cache was built with")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="the --max-new-tokens it was built with")
-    parser.add_argument("--extra-docs", default=None, help="pickled list of token-id documents added to the index")
+    parser.add_argument(
+        "--extra-docs",
+        default=None,
+        help="JSON file: a list of token-id documents ([[id, ...], ...]) added to the index",
+    )
     parser.add_argument(
         "--index-other-records",
         action="store_true",
@@ -118,10 +135,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         documents = [r["tokens"] for r in build] + (others if args.index_other_records else [])
         if args.extra_docs:
-            import pickle
-
-            with open(args.extra_docs, "rb") as f:
-                documents += pickle.load(f)
+            documents += read_extra_docs(args.extra_docs, parser)
         if not any(documents):
             parser.error(
                 "nothing to index: every output is evaluated (lower --eval-last or add --index-other-records)"

@@ -523,6 +523,42 @@ def test_bench_care_caches_are_reused_only_with_the_settings_they_were_made_with
     assert cached(None, {"seed": 1}, lambda: "not saved") == "not saved"
 
 
+def test_bench_care_caches_load_without_unpickling_code(tmp_path, monkeypatch, capsys):
+    # --calib-cache was read with torch.load(weights_only=False), which runs whatever code a crafted file pickles: the
+    # calibration is saved as its fields, read back with weights_only=True; an older file is refused in one line
+    import runpy
+    from pathlib import Path
+
+    import hf_accel.loading
+    from hf_accel.compress.calibration import KvCalibration
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    monkeypatch.setattr(
+        hf_accel.loading,
+        "load_model_and_tokenizer",
+        lambda *a, **k: (make_tiny_llama(vocab_size=VOCAB_SIZE), make_char_tokenizer()),
+    )
+    (tmp_path / "t.txt").write_text("To be, or not to be: that is the question. " * 20)
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "bench_care.py"), run_name="x")
+    cache = tmp_path / "cal.pt"
+    argv = ["--text", str(tmp_path / "t.txt"), "--kv-keep", "0.5", "--methods", "care", "--calib-text-samples", "2"]
+    argv += ["--calib-generated-samples", "1", "--calib-seq-len", "16", "--eval-tokens", "64"]
+    argv += ["--eval-generated-tokens", "16", "--eval-seq-len", "32", "--json", "--calib-cache", str(cache)]
+    reports = []
+    for _ in range(2):  # made, then read back
+        assert script["main"](argv) == 0
+        reports.append(
+            [(r["k_ranks"], r["v_ranks"], r["ppl"]) for r in json.loads(capsys.readouterr().out)["results"]]
+        )
+    assert reports[1] == reports[0]
+    saved = torch.load(cache, weights_only=True)
+    assert KvCalibration(**saved["value"]).tokens == saved["value"]["tokens"] > 0
+    torch.save({"settings": saved["settings"], "value": KvCalibration(**saved["value"])}, cache)  # the old format
+    with pytest.raises(SystemExit, match="was made with an older bench_care"):
+        script["main"](argv)
+
+
 def test_a_calibration_of_another_model_is_refused():
     """Reused statistics must come from this model: more layers than it has were used silently, fewer failed deep."""
     model, other = make_tiny("llama"), make_tiny("llama", num_hidden_layers=3)

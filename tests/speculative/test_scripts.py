@@ -87,6 +87,27 @@ def test_simulate_ngram_needs_something_to_index(tmp_path, monkeypatch, capsys):
     assert all(r["mean_accepted"] > 1 for r in report["rows"])
 
 
+def test_simulate_ngram_reads_extra_docs_as_json_not_pickle(tmp_path, monkeypatch, capsys):
+    # --extra-docs was a pickle, read with pickle.load: a file that runs code on load. It is a JSON list of documents
+    import pickle
+
+    monkeypatch.delenv("SIM_INDEX", raising=False)
+    args = [*simulation_inputs(tmp_path), "--eval-last", "1", "--json"]
+    (tmp_path / "extra.json").write_text(json.dumps([[10 + j % 7 for j in range(30)], [5, 6]]))
+    monkeypatch.setattr("sys.argv", ["simulate_ngram.py", *args, "--extra-docs", str(tmp_path / "extra.json")])
+    run_script("simulate_ngram.py")["main"]()
+    assert json.loads(capsys.readouterr().out)["index_tokens"] >= 3 * 24 + 32
+    (tmp_path / "extra.pkl").write_bytes(pickle.dumps([[1, 2]]))
+    for name, text in (("extra.pkl", None), ("bad.json", '[[1, "2"]]'), ("missing.json", None)):
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        monkeypatch.setattr("sys.argv", ["simulate_ngram.py", *args, "--extra-docs", str(tmp_path / name)])
+        with pytest.raises(SystemExit) as exit_info:
+            run_script("simulate_ngram.py")["main"]()
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and f"--extra-docs {tmp_path / name}" in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     "bad", [["--batch-size", "0"], ["--num-batches", "0"], ["--max-new-tokens", "0"], ["--temperature", "-1"]]
 )
