@@ -393,6 +393,54 @@ def test_a_drafter_artifact_runs_no_tokenizer_code_the_user_did_not_trust(tmp_pa
     assert not ran.exists()
 
 
+PINNED_MODEL_WITH_DRAFTER = """
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("org/m", revision={commit!r})
+tokenizer = AutoTokenizer.from_pretrained("org/m", revision={commit!r})
+inputs = tokenizer(["abcabcab", "xyzxyzxy"], return_tensors="pt", padding=True)
+plain = model.generate(**inputs, do_sample=False, max_new_tokens=16)
+kwargs = dict(do_sample=False, max_new_tokens=16, custom_generate={artifact!r}, trust_remote_code=True)
+try:
+    model.generate(**inputs, **kwargs)
+except ValueError as err:
+    print(str(err).replace("\\n", " "))
+else:
+    raise AssertionError("the default branch's tokenizer passed the check")
+ours = model.generate(**inputs, **kwargs, tokenizer=tokenizer)
+assert torch.equal(plain, ours), (plain, ours)
+"""
+
+
+def test_a_drafter_on_a_pinned_model_says_which_tokenizer_it_checked(tmp_path):
+    """transformers records no revision on a model: without `tokenizer=`, the drafter checks the index against the
+    tokenizer of the repository's default branch, which may not be the pinned revision's. The refusal said "the
+    model's tokenizer" and "rebuild the index with this model", though the index was built with the model's own; it
+    says which tokenizer it checked and to pass `tokenizer=`, and that tokenizer runs."""
+    _, _, _, artifact = _tiny_index_artifact(tmp_path)  # built with the character tokenizer of `base`
+    cache = tmp_path / "hub"
+    pinned = write_tiny_llama(tmp_path / "pinned")
+    populate_hub_cache(pinned, "org/m", cache_dir=cache, commit_hash="a" * 40)
+    later = tmp_path / "later"
+    shutil.copytree(pinned, later)
+    tokenizer = json.loads((later / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # a new tokenizer at the default branch
+    (later / "tokenizer.json").write_text(json.dumps(tokenizer))
+    populate_hub_cache(later, "org/m", cache_dir=cache, commit_hash="b" * 40)  # now `main`
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    script = PINNED_MODEL_WITH_DRAFTER.format(commit="a" * 40, artifact=str(artifact))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    message = proc.stdout.strip().splitlines()[-1]
+    assert "checked against the tokenizer of 'org/m' at its default branch" in message
+    assert "pass that revision's tokenizer as `tokenizer=`" in message
+
+
 def test_a_published_drafter_artifact_runs_from_generate_by_repo_id(tmp_path):
     _, _, base, artifact = _tiny_index_artifact(tmp_path)
     cache = tmp_path / "hub"

@@ -12,8 +12,9 @@ out = model.generate(**inputs, custom_generate="ORG/NAME", trust_remote_code=Tru
 (transformers loads this file and calls its `generate(model=..., **arguments of the call)` in place of its own).
 Greedy output is token-identical to plain greedy `generate`. The drafter is built once per model and reused, so
 what it learns about pass costs carries over between calls; `drafter=` overrides it. The index's tokenizer check
-uses the call's `tokenizer=` or, without one, the tokenizer saved with the model. Needs `hf-accel` installed
-(`custom_generate/requirements.txt`).
+uses the call's `tokenizer=` or, without one, the tokenizer of `model.name_or_path` at its default branch:
+transformers does not record the revision a model was loaded from, so a model loaded with `revision=` passes
+`tokenizer=` loaded with the same one. Needs `hf-accel` installed (`custom_generate/requirements.txt`).
 """
 
 import copy
@@ -31,6 +32,7 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
 
     from hf_accel.speculative import custom_generate
     from hf_accel.speculative.drafters import build_drafter
+    from hf_accel.speculative.drafters.index import TokenizerMismatchError
 
     call_tokenizer = tokenizer  # stop strings use only this one, as in `generate`, on every call alike
     if drafter is None:
@@ -47,7 +49,16 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
                     f"cannot load the tokenizer of {model.name_or_path!r} to check the drafter against it: pass "
                     "`tokenizer=` to `generate`"
                 ) from err
-        drafter = _drafters[model] = build_drafter(DRAFTER, ARTIFACT, model, tokenizer)
+        try:
+            drafter = build_drafter(DRAFTER, ARTIFACT, model, tokenizer)
+        except TokenizerMismatchError as err:
+            if call_tokenizer is not None:
+                raise
+            raise TokenizerMismatchError(
+                f"{err} (checked against the tokenizer of {model.name_or_path!r} at its default branch, not "
+                "necessarily the revision the model was loaded from: pass that revision's tokenizer as `tokenizer=`)"
+            ) from err
+        _drafters[model] = drafter
     # transformers drops `tokenizer` before a callable `custom_generate`, so stop strings become a criterion here
     stop_strings = kwargs.pop("stop_strings", None)
     config = kwargs.get("generation_config")

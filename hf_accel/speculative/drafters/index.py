@@ -42,6 +42,10 @@ _DENSE_RANGE = 2048
 _FEW = 32
 
 
+class TokenizerMismatchError(ValueError):
+    """An index built with another tokenizer than the one it is checked against ([`InfinigramIndex.check_tokenizer`])."""
+
+
 @dataclass
 class IndexHeader:
     tokenizer_name: str
@@ -302,12 +306,12 @@ class InfinigramIndex:
         self.num_tokens = len(self.tokens)
 
     def check_tokenizer(self, tokenizer) -> None:
-        """Raises `ValueError` unless `tokenizer` maps the ids the index can hold (those below the header's
+        """Raises [`TokenizerMismatchError`] (a `ValueError`) unless `tokenizer` maps the ids the index can hold (those below the header's
         `vocab_size`) as the build's tokenizer did: tokens added after them (a pad token) are fine."""
         bound = self.header.vocab_size
         name, vocab_hash, vocab_size = tokenizer_fingerprint(tokenizer, below=bound)
         if vocab_hash != self.header.vocab_hash:
-            raise ValueError(
+            raise TokenizerMismatchError(
                 f"index {self.path} was built with tokenizer {self.header.tokenizer_name!r} (vocabulary hash "
                 f"{self.header.vocab_hash}, {bound} ids) but the model's tokenizer {name!r} has vocabulary hash "
                 f"{vocab_hash} over its ids below {bound} ({vocab_size} ids in all); token ids would not mean the "
