@@ -1081,6 +1081,37 @@ def test_overlapping_assisted_calls_on_one_model_each_run_their_own_drafter(tiny
     assert "_get_candidate_generator" not in vars(tiny_llama)
 
 
+def test_one_drafter_serving_threads_gives_each_thread_its_own_last_stats(tiny_llama):
+    """One drafter serving `generate` calls in several threads (as the Hub loader's cached one does): its
+    `last_stats` was one attribute, so a thread read whichever call had ended last, another thread's."""
+    import threading
+
+    from hf_accel.speculative.drafters import InfinigramDrafter
+
+    drafter = InfinigramDrafter(None)
+    prompts = [torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]]), torch.tensor([[9, 10, 11, 12, 13]])]
+    both_done, outs, seen, errors = threading.Barrier(2, timeout=120), [None, None], [None, None], []
+
+    def run(i):
+        try:
+            outs[i] = tiny_llama.generate(prompts[i], max_new_tokens=6 + 4 * i, do_sample=False,
+                                          custom_generate=custom_generate, drafter=drafter)  # fmt: skip
+            both_done.wait()  # both calls have ended: one of them last
+            seen[i] = drafter.last_stats
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors
+    assert [s.new_tokens for s in seen] == [6, 10]
+    assert all(seen[i] is outs[i].speculative_stats for i in range(2))
+    assert drafter.last_stats is None  # this thread ran no call
+
+
 def test_a_drafter_s_last_stats_never_describe_an_earlier_call(tiny_llama):
     """`drafter.last_stats` after a call that raised (a stopping criterion interrupting it) or ran in transformers'
     assisted loop is `None`, not the statistics of the call before; the drafter then decodes the next call exactly."""

@@ -232,7 +232,18 @@ class InfinigramDrafter:
         # per thread (one drafter may serve `generate` calls in several threads, as the Hub loader's cached one does):
         # original row -> (parents, scores) of the nodes proposed in that thread's pending pass
         self._proposed = {}
-        self.last_stats = None
+        self._thread_stats = threading.local()
+
+    @property
+    def last_stats(self):
+        """The [`~hf_accel.speculative.engine.SpeculativeStats`] of the last `custom_generate` call that ended in this
+        thread (`None` before one, or after one that raised): one drafter serving calls in several threads gives
+        each thread its own calls' figures. A call's own are also on its output, `out.speculative_stats`."""
+        return getattr(self._thread_stats, "value", None)
+
+    @last_stats.setter
+    def last_stats(self, stats):
+        self._thread_stats.value = stats
 
     def propose(self, request) -> DraftTree | None:
         batch_size = len(request.rows)
