@@ -1110,6 +1110,7 @@ def test_one_drafter_serving_threads_gives_each_thread_its_own_last_stats(tiny_l
     assert [s.new_tokens for s in seen] == [6, 10]
     assert all(seen[i] is outs[i].speculative_stats for i in range(2))
     assert drafter.last_stats is None  # this thread ran no call
+    copy.deepcopy(drafter)  # still copyable (a `threading.local` is not)
 
 
 def test_a_drafter_s_last_stats_never_describe_an_earlier_call(tiny_llama):
