@@ -9,6 +9,10 @@ A drafter is any object with a `propose(request: DraftRequest) -> DraftTree | No
 
 - `begin(input_ids, attention_mask, generation_config)`: called once per `generate` call, before the prefill
   (reset per-call state; `input_ids` are the left-padded prompts).
+- `propose_prefill(request)`: optional, called once after `begin`; returns a `DraftTree` with no draft nodes whose
+  auxiliary inputs join the prefill pass under the last prompt token (`aux_parent` `-1`; the request's root), or
+  `None`. PPD's prompt tokens (spec 004 §5.2): their logits, in the prefill's `VerifyResult.aux_logits`, are the first
+  pass's guesses, so the first verification pass has a draft too. The prompt's logits are unchanged.
 - `propose(request)`: returns a [`~hf_accel.speculative.tree.DraftTree`] for the rows in `request.rows` (a chain is
   a tree), or `None` for "no draft this step" (the step is then a plain decoding step).
 - `update(result: VerifyResult)`: called after the prefill (`result.is_prefill`) and after every verification
@@ -97,6 +101,7 @@ from .tree import (
     check_tree_shapes,
     compute_ancestor_matrix,
     compute_depths,
+    prefill_ancestors,
     to_verification_parents,
     tree_position_ids,
     validate_parents,
@@ -192,7 +197,7 @@ class VerifyResult:
             prefill: the real prompt positions, left padding dropped), so `[b, path_length[b] - 1]` is always the
             position whose logits chose row `b`'s last new token.
         aux_logits (`torch.FloatTensor` of shape `(num_active, num_aux, vocab_size)`, *optional*): raw logits at the
-            auxiliary nodes.
+            auxiliary nodes (at the prefill: those of `propose_prefill`).
         is_prefill (`bool`): whether this result comes from the prefill.
         num_input_tokens (`int`): tokens fed to the target in this pass (`num_active * (1 + nodes + aux)`).
         pass_seconds (`float`): wall time of the pass: the target's forward, acceptance, commit and cache rollback
@@ -496,11 +501,17 @@ class SpeculativeEngine:
             position_ids = (state.prompt_mask.cumsum(-1) - 1).clamp(min=0)
         # Same inputs as `generate`'s own prefill (2D mask or None, cumsum positions), hence the same logits; like
         # `generate`, only the last position's logits where the model's forward takes `logits_to_keep`
-        keep = {"logits_to_keep": 1} if _takes_logits_to_keep(self.model) else {}
-        outputs = self._forward(
-            cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **keep
-        )
-        logits = outputs.logits[:, -1].float()
+        aux = self._propose_prefill(state)
+        num_aux = aux.num_aux if aux is not None else 0
+        keep = {"logits_to_keep": 1 + num_aux} if _takes_logits_to_keep(self.model) else {}
+        if num_aux:
+            inputs = self._prefill_inputs_with_aux(state, input_ids, position_ids, aux)
+        else:
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        outputs = self._forward(cache, **inputs, **keep)
+        if num_aux:  # the auxiliary inputs' entries are dropped, as after a verification pass
+            select_cache_positions(cache, input_ids.shape[1], input_ids.new_zeros((input_ids.shape[0], 0)))
+        logits = outputs.logits[:, -1 - num_aux].float()  # the last prompt token's
         scores = _process_scores(self.logits_processor, input_ids, logits)
         tokens = self._pick(scores, state.rows, state.next_position)
         new_tokens, finished = self._commit(state, [[t] for t in tokens.tolist()])
@@ -510,12 +521,66 @@ class SpeculativeEngine:
         keep = torch.sort((state.prompt_mask == 0).to(torch.int8), dim=1, stable=True).indices
         keep = keep[:, : int(path_length.max())]
         hidden = {i: _gather_nodes(outputs.hidden_states[i], keep) for i in self.hidden_layers}
+        aux_logits = outputs.logits[:, outputs.logits.shape[1] - num_aux :].float() if num_aux else None
         result = VerifyResult(
             state.rows.clone(), new_tokens, torch.full_like(state.rows, -1), path_length, finished, hidden,
-            is_prefill=True,
+            aux_logits, is_prefill=True,
         )  # fmt: skip
         self._after_pass(state, cache, result)
         return cache
+
+    def _propose_prefill(self, state) -> DraftTree | None:
+        """The drafter's auxiliary inputs for the prefill pass (`propose_prefill`), checked; `None` without any."""
+        propose = getattr(self.drafter, "propose_prefill", None)
+        if propose is None:
+            return None
+        tic = time.perf_counter()
+        tree = propose(state.request(self.do_sample))
+        self.stats.drafter_time_s += time.perf_counter() - tic
+        if tree is None:
+            return None
+        check_tree_shapes(tree, len(state.rows))
+        if tree.num_nodes:
+            raise ValueError(
+                f"the drafter's prefill proposal has {tree.num_nodes} draft nodes; the prefill pass takes auxiliary "
+                "inputs only (`aux_embeds` / `aux_parent`): the prompt's next token is not known yet"
+            )
+        return tree if tree.num_aux else None
+
+    def _prefill_inputs_with_aux(self, state, input_ids, position_ids, aux: DraftTree) -> dict:
+        """The prefill pass's inputs with auxiliary inputs under the last prompt token (PPD's prompt tokens): the
+        prompt attends as in `generate`'s prefill, each auxiliary input to the real prompt, its auxiliary ancestors
+        and itself, at the last prompt token's position + its depth (capped at `max_depth`, as in a pass)."""
+        device = input_ids.device
+        aux_parent = aux.aux_parent.to(device)
+        validate_parents(to_verification_parents(aux_parent))
+        ancestors = prefill_ancestors(state.prompt_mask, aux_parent)  # [B, L + M, L + M]
+        prompt_length = input_ids.shape[1]
+        aux_depths = ancestors[:, prompt_length:, prompt_length:].sum(-1)  # the last prompt token has depth 0
+        aux_depths = torch.minimum(aux_depths, state.max_depth().clamp(min=0)[:, None])
+        aux_positions = (state.next_position - 1)[:, None] + aux_depths
+        prompt_mask = state.prompt_mask.bool()
+        prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0) + _position_offset(state)[:, None]
+        key_positions = torch.cat([prompt_positions, aux_positions], dim=1)
+        positions = position_ids.to(device).expand(*position_ids.shape[:-2], len(state.rows), -1)
+        aux_positions = aux_positions.expand(*positions.shape[:-2], -1, -1)  # M-RoPE's 3D ids: one copy per axis
+        return {
+            "inputs_embeds": self._embeds_with_aux(input_ids, aux.aux_embeds),
+            "attention_mask": self._tree_mask(ancestors, prompt_mask[:, :0], key_positions),
+            "position_ids": torch.cat([positions, aux_positions], dim=-1),
+        }
+
+    def _embeds_with_aux(self, input_ids, aux_embeds):
+        """The target's input embeddings of `input_ids` `[B, N]`, then `aux_embeds` `[B, M, H]`."""
+        embedding = self.model.get_input_embeddings()
+        weights = embedding.weight.device  # meta when accelerate offloads it: its hook moves the ids itself
+        embeds = embedding(input_ids if weights.type == "meta" else input_ids.to(weights))
+        if aux_embeds.shape[-1] != embeds.shape[-1]:
+            raise ValueError(
+                f"the draft tree's `aux_embeds` have width {aux_embeds.shape[-1]}, the target's input embeddings "
+                f"{embeds.shape[-1]}"
+            )
+        return torch.cat([embeds, aux_embeds.to(embeds)], dim=1)
 
     def _pick(self, scores, rows, positions):
         """The token each of `scores` `[K, V]` picks: the argmax, or, sampling, the Gumbel-max sample keyed by the
@@ -527,18 +592,22 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------------------------------- verification pass
     def _attention_mask(self, state, ancestors, node_valid, key_positions, drafted: bool):
         """The pass's attention mask: the tree mask, windowed by position for sliding-window layers."""
+        if self.window is None and not drafted:
+            # No draft: exactly `generate`'s decoding step (2D mask, or none without padding/holes): same kernels,
+            # same cost, same logits as plain decoding.
+            return None if bool(state.past_mask.all()) else torch.cat([state.past_mask, node_valid], 1).long()
+        return self._tree_mask(ancestors, state.past_mask, key_positions)
+
+    def _tree_mask(self, ancestors, past_mask, key_positions):
+        """The 4D tree mask over `past_mask`'s cache slots and the pass's inputs, windowed by position for
+        sliding-window layers: transformers would window slot indices, which holes make differ from positions, so the
+        engine windows positions itself, in one mask for all layers or one per layer type."""
         if self.window is None:
-            if not drafted:
-                # No draft: exactly `generate`'s decoding step (2D mask, or none without padding/holes): same
-                # kernels, same cost, same logits as plain decoding.
-                return None if bool(state.past_mask.all()) else torch.cat([state.past_mask, node_valid], 1).long()
-            return build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype)
-        # transformers would window slot indices, which holes make differ from positions: the engine windows positions
-        # itself, in one mask for all layers or one per layer type
-        windowed = build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype, key_positions, self.window)
+            return build_tree_attention_mask(ancestors, past_mask, self.model.dtype)
+        windowed = build_tree_attention_mask(ancestors, past_mask, self.model.dtype, key_positions, self.window)
         if not self.mask_per_layer_type:
             return windowed
-        full = build_tree_attention_mask(ancestors, state.past_mask, self.model.dtype)
+        full = build_tree_attention_mask(ancestors, past_mask, self.model.dtype)
         return {"full_attention": full, "sliding_attention": windowed}
 
     def _verify(self, state, cache, tree: DraftTree | None):
@@ -581,15 +650,7 @@ class SpeculativeEngine:
             key_positions = torch.cat([past_positions, positions], dim=1)
         mask = self._attention_mask(state, ancestors, node_valid, key_positions, drafted=parent.shape[1] > 1)
         if tree.num_aux:
-            embedding = self.model.get_input_embeddings()
-            weights = embedding.weight.device  # meta when accelerate offloads it: its hook moves the ids itself
-            embeds = embedding(tree_ids if weights.type == "meta" else tree_ids.to(weights))
-            if tree.aux_embeds.shape[-1] != embeds.shape[-1]:
-                raise ValueError(
-                    f"the draft tree's `aux_embeds` have width {tree.aux_embeds.shape[-1]}, the target's input "
-                    f"embeddings {embeds.shape[-1]}"
-                )
-            inputs = {"inputs_embeds": torch.cat([embeds, tree.aux_embeds.to(embeds)], dim=1)}
+            inputs = {"inputs_embeds": self._embeds_with_aux(tree_ids, tree.aux_embeds)}
         else:
             inputs = {"input_ids": tree_ids}
         if accepts_key_positions:  # models that RoPE cached keys at attention time (CARE, Palu latents)

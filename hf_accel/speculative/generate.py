@@ -383,6 +383,11 @@ def assisted_generate(
             "transformers' assisted loop hands a drafter no hidden states (it asks for `requires_hidden_states`); "
             "use `custom_generate`"
         )
+    if hasattr(drafter, "propose_prefill"):  # PPD: its first guesses come from its prompt tokens in the prefill
+        raise ValueError(
+            "transformers' assisted loop runs its prefill without a drafter's auxiliary inputs (it has "
+            "`propose_prefill`); use `custom_generate`"
+        )
     cache = model_kwargs.get("past_key_values")
     if cache is not None and cache.get_seq_length() > 0:
         # transformers' assisted loop feeds its first pass the whole `input_ids` on top of the cached tokens (its own

@@ -142,6 +142,31 @@ def compute_ancestor_matrix(parent: torch.LongTensor) -> torch.BoolTensor:
     return ancestors
 
 
+def prefill_ancestors(prompt_mask: torch.BoolTensor, aux_parent: torch.LongTensor) -> torch.BoolTensor:
+    """Who each input of a prefill pass with auxiliary inputs sees: the ancestor-or-self matrix of the prompt
+    (left-padded, a chain) with the auxiliary inputs hung under its last token.
+
+    Args:
+        prompt_mask (`torch.BoolTensor` of shape `(batch_size, prompt_length)`): `False` at left padding.
+        aux_parent (`torch.LongTensor` of shape `(batch_size, num_aux)`): drafter-facing parents of the auxiliary
+            inputs (`-1`: the last prompt token).
+
+    Returns:
+        `torch.BoolTensor` of shape `(batch_size, prompt_length + num_aux, prompt_length + num_aux)`: a prompt token
+        sees the real prompt tokens up to itself (what `generate`'s prefill mask allows), an auxiliary input every
+        real prompt token, its auxiliary ancestors and itself; no prompt token sees an auxiliary input. A padding
+        position sees nothing. Use it as `ancestors` of [`build_tree_attention_mask`] with an empty `past_mask`.
+    """
+    prompt_mask = prompt_mask.bool()
+    batch_size, prompt_length = prompt_mask.shape
+    num_aux = aux_parent.shape[1]
+    aux = compute_ancestor_matrix(to_verification_parents(aux_parent))[:, 1:, 1:]  # without the last prompt token
+    causal = torch.ones(prompt_length, prompt_length, dtype=torch.bool, device=prompt_mask.device).tril()
+    prompt_rows = torch.cat([causal & prompt_mask[:, None, :], aux.new_zeros(batch_size, prompt_length, num_aux)], -1)
+    aux_rows = torch.cat([prompt_mask[:, None, :].expand(batch_size, num_aux, prompt_length), aux], -1)
+    return torch.cat([prompt_rows, aux_rows], dim=1)
+
+
 def compute_depths(ancestors: torch.BoolTensor) -> torch.LongTensor:
     """Depth of each node (the root has depth 0): `(B, N, N)` ancestor matrix -> `(B, N)`."""
     return ancestors.sum(-1) - 1

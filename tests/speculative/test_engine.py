@@ -347,7 +347,13 @@ def test_transformers_assisted_loop_refuses_drafters_that_read_the_pass_in_one_l
             tree.aux_embeds, tree.aux_parent = torch.zeros(1, 1, 32), torch.tensor([[-1]])
             return tree
 
-    for drafter, reason in ((NeedsHidden(reference), "hidden states"), (Auxiliary(reference), "auxiliary inputs")):
+    class PrefillAuxiliary(ReferenceDrafter):  # PPD's prompt tokens in the prefill: its first guesses come from them
+        def propose_prefill(self, request):
+            return _aux_only(torch.zeros(1, 1, 32), torch.tensor([[-1]]))
+
+    drafters = {"hidden states": NeedsHidden(reference), "auxiliary inputs": Auxiliary(reference),
+                "prefill": PrefillAuxiliary(reference)}  # fmt: skip
+    for reason, drafter in drafters.items():
         with pytest.raises(ValueError, match=f"{reason}.*use `custom_generate`"):
             tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=assisted_generate, drafter=drafter)
 
@@ -659,6 +665,96 @@ def test_hidden_states_and_auxiliary_inputs_reach_the_drafter(tiny_llama, offloa
     committed = reference[:, : 4 + 1 + 3]  # prompt, first token, 3 accepted drafts
     expected = tiny_llama(torch.cat([committed, torch.tensor([[11, 12]])], 1)).logits[0, -2:]
     torch.testing.assert_close(first.aux_logits[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def _aux_only(aux_embeds, aux_parent):
+    """A draft tree with auxiliary inputs and no draft nodes (what `propose_prefill` returns)."""
+    empty = torch.zeros((aux_embeds.shape[0], 0), dtype=torch.long)
+    return DraftTree(empty, empty.clone(), aux_embeds=aux_embeds, aux_parent=aux_parent)
+
+
+def test_auxiliary_inputs_of_the_prefill_give_the_first_pass_its_draft(tiny_llama):
+    """PPD runs its prompt tokens in the prefill (spec 004 §5.2): their logits are the first step's guesses, so the
+    first verification pass has a draft. Here the prompt tokens are the embeddings of the two tokens greedy decoding
+    will give first (one chain under the last prompt token) and of a wrong one (a second chain): the chain's logits
+    then predict the two tokens after them, which the first pass must accept. Without `propose_prefill` the prefill
+    ran the prompt alone and the first pass was a plain decoding step. The aux logits are those of the real prompt
+    (left padding dropped) continued by the aux tokens."""
+    input_ids, attention_mask = _ragged_batch(3)
+    width = input_ids.shape[1]
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs)
+    embed = tiny_llama.get_input_embeddings().weight.detach().clone()
+    aux_tokens = torch.stack([reference[:, width], reference[:, width + 1], torch.full((3,), 11)], dim=1)
+
+    class Oracle(ReferenceDrafter):
+        requires_hidden_states = (-1,)  # CP and SpecFormer read them: the prompt's, not the aux inputs'
+
+        def propose_prefill(self, request):
+            rows = request.rows
+            return _aux_only(embed[aux_tokens[rows]], torch.tensor([[-1, 0, -1]]).expand(len(rows), -1))
+
+        def propose(self, request):
+            if len(self.results) > 1:
+                return super().propose(request)
+            prefill = self.results[0]  # the first pass drafts the guesses of the prefill's chain
+            index = [prefill.rows.tolist().index(row) for row in request.rows.tolist()]
+            return DraftTree.from_chains(prefill.aux_logits[index, :2].argmax(-1).tolist())
+
+    drafter = Oracle(reference, tree=True)
+    out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(out, reference)
+    prefill, first = drafter.results[0], drafter.results[1]
+    assert prefill.is_prefill and prefill.aux_logits.shape == (3, 3, 97)
+    assert prefill.hidden_states[-1].shape == (3, width, 32)
+    assert [len(tokens) for tokens in first.new_tokens] == [3, 3, 3]  # two guesses accepted, then the bonus token
+    for b in range(3):
+        real = input_ids[b, attention_mask[b].bool()]
+        chain = tiny_llama(torch.cat([real, aux_tokens[b, :2]])[None]).logits[0, -2:]
+        alone = tiny_llama(torch.cat([real, aux_tokens[b, 2:]])[None]).logits[0, -1:]
+        torch.testing.assert_close(prefill.aux_logits[b], torch.cat([chain, alone]), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_auxiliary_inputs_stay_inside_a_position_table():
+    """Prefill aux inputs deeper than the first pass could commit sit at that depth, as a pass's do: GPT-2's learned
+    positions end where `max_length` does, and a chain of 10 prompt tokens under a 16-token prompt would index past
+    them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=24, eos_token_id=2, pad_token_id=0)
+    model = GPT2LMHeadModel(config).eval()
+    input_ids, attention_mask = _ragged_batch(2, width=16)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_length": 24, "do_sample": False}
+    reference = model.generate(**kwargs)
+
+    class DeepPrefill(ReferenceDrafter):
+        def propose_prefill(self, request):
+            rows = len(request.rows)
+            return _aux_only(torch.zeros(rows, 10, 32), torch.arange(-1, 9).expand(rows, -1))
+
+    drafter = DeepPrefill(reference)
+    assert torch.equal(model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
+    assert drafter.results[0].aux_logits.shape == (2, 10, 97)
+
+
+@pytest.mark.parametrize(
+    "proposal, message",
+    [
+        (DraftTree(torch.tensor([[11]]), torch.tensor([[-1]])), "1 draft nodes"),
+        (_aux_only(torch.zeros(1, 2, 32), torch.tensor([[-1, 1]])), "topologically ordered"),
+        (_aux_only(torch.zeros(1, 2, 16), torch.tensor([[-1, 0]])), "width 16"),
+        (_aux_only(torch.zeros(1, 2, 32), torch.tensor([[-1]])), "aux_embeds"),
+    ],
+)
+def test_malformed_prefill_proposals_are_refused_in_one_line(tiny_llama, proposal, message):
+    class Malformed(ReferenceDrafter):
+        def propose_prefill(self, request):
+            return proposal
+
+    with pytest.raises(ValueError, match=message):
+        tiny_llama.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, custom_generate=custom_generate,
+                            drafter=Malformed(torch.zeros(1, 12, dtype=torch.long)))  # fmt: skip
 
 
 @pytest.mark.parametrize(

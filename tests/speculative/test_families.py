@@ -180,6 +180,30 @@ def test_sliding_window_applies_to_explicit_caches_and_plain_layers():
         assert torch.equal(out, reference)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_prefill_auxiliary_inputs_see_the_window_of_their_positions(family):
+    """Aux inputs of the prefill (PPD's prompt tokens) attend to the last window of the real prompt, as the text
+    continued with their tokens would (one mask for Mistral, one per layer type for Gemma 2), in a left-padded batch
+    whose prompts (14 tokens) are longer than the window (8)."""
+    model = _build(WINDOWED[family])
+    kwargs = {**_prompts(3), "max_new_tokens": 16, "do_sample": False}
+    reference = model.generate(**kwargs)
+    aux_tokens = torch.tensor([11, 12, 13])
+    aux_embeds = model.get_input_embeddings()(aux_tokens).detach()  # Gemma's scaled by its embedding module
+
+    class Prefill(ReferenceDrafter):
+        def propose_prefill(self, request):
+            rows, empty = len(request.rows), torch.zeros((len(request.rows), 0), dtype=torch.long)
+            aux_parent = torch.tensor([[-1, 0, 1]]).expand(rows, -1)
+            return DraftTree(empty, empty, aux_embeds=aux_embeds.expand(rows, -1, -1), aux_parent=aux_parent)
+
+    drafter = Prefill(reference, depth=4, tree=True)
+    assert torch.equal(model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
+    for b, (ids, mask) in enumerate(zip(kwargs["input_ids"], kwargs["attention_mask"])):
+        expected = model(torch.cat([ids[mask.bool()], aux_tokens])[None]).logits[0, -3:]
+        torch.testing.assert_close(drafter.results[0].aux_logits[b], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_local_attention_is_refused_in_one_line():
     model = _build(GPT_NEO_LOCAL)
     kwargs = {**_prompts(3), "max_new_tokens": 16, "do_sample": False}

@@ -9,6 +9,7 @@ from hf_accel.speculative.tree import (
     compute_ancestor_matrix,
     compute_depths,
     extract_path,
+    prefill_ancestors,
     to_verification_parents,
     tree_position_ids,
     validate_parents,
@@ -111,3 +112,24 @@ def test_validate_parents_refuses_self_parents_and_orphans():
     for bad in ([-1, 0, 2, 1], [-1, 0, -1, 1], [0, 0, 1, 2], [-1, 0, 3, 1]):
         with pytest.raises(ValueError, match="topologically ordered"):
             validate_parents(torch.tensor([bad]))
+
+
+def test_prefill_ancestors_brute_force():
+    """A prompt token sees the real prompt up to itself; an aux input the real prompt, its aux path and itself."""
+    prompt_mask = torch.tensor([[False, True, True], [True, True, True]])
+    aux_parent = torch.tensor([[-1, 0, -1], [-1, -1, 1]])
+    ancestors = prefill_ancestors(prompt_mask, aux_parent)
+    for b in range(2):
+        parents = aux_parent[b].tolist()
+        for i in range(6):
+            for j in range(6):
+                if i < 3:
+                    expected = j <= i and bool(prompt_mask[b, j])
+                elif j < 3:
+                    expected = bool(prompt_mask[b, j])
+                else:
+                    path = [i - 3]
+                    while parents[path[-1]] >= 0:
+                        path.append(parents[path[-1]])
+                    expected = j - 3 in path
+                assert bool(ancestors[b, i, j]) == expected, (b, i, j)
