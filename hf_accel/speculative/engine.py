@@ -8,7 +8,9 @@ A drafter is any object with a `propose(request: DraftRequest) -> DraftTree | No
 *capability attributes* say what else it needs; the engine reads them with `getattr`, never with class checks:
 
 - `begin(input_ids, attention_mask, generation_config)`: called once per `generate` call, before the prefill
-  (reset per-call state; `input_ids` are the left-padded prompts).
+  (reset per-call state; `input_ids` are the left-padded prompts). No `position_ids`: the engine places every input
+  itself, and a drafter's own RoPE layer (SpecFormer's causal attention) counts positions from `attention_mask`,
+  which changes no attention score where a call's `position_ids` start elsewhere (RoPE sees position differences).
 - `propose_prefill(request)`: optional, called once after `begin`; returns a `DraftTree` with no draft nodes whose
   auxiliary inputs join the prefill pass under the last prompt token (`aux_parent` `-1`; the request's root), or
   `None`. PPD's prompt tokens (spec 004 §5.2): their logits, in the prefill's `VerifyResult.aux_logits`, are the first
@@ -26,7 +28,14 @@ A drafter is any object with a `propose(request: DraftRequest) -> DraftTree | No
 - `provides_draft_probs` (`bool`, default `False`): documentation of intent; the engine uses
   `DraftTree.draft_probs` whenever it is set (lossless rejection sampling) and the point-mass rule otherwise.
 - Auxiliary inputs (PPD): a `DraftTree` may carry `aux_embeds` / `aux_parent`; they get their own tree mask rows
-  and positions, their KV entries are always dropped, and `VerifyResult.aux_logits` holds their logits.
+  and positions, their KV entries are always dropped, and `VerifyResult.aux_logits` holds their logits. Like draft
+  nodes, those deeper than `request.max_depth` sit at that depth (a position table's end, or a longrope or dynamic
+  RoPE switch, may lie past it): their logits are not the text's, and could only seed drafts deeper than the next
+  pass may verify (an aux input at depth `a` predicts depth `a + 1`, the next pass's depth `a - accepted`).
+- `DraftTree.draft_probs` is dense, `[rows, nodes, vocab]`: 263 MB in float32 at batch 8, 64 nodes and Llama 3's
+  128,256 tokens, as large as the pass's own float32 logits. Only stochastic drafters need it (CP heads sampling from
+  their conditionals; trees of i.i.d. samples); drafts picked deterministically (PPD's top-k guesses, SpecFormer's
+  argmax chain, CP's top-k branches) leave it `None`, and sampling stays lossless by the point-mass rule.
 
 ## Cache contract
 

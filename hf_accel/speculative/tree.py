@@ -42,7 +42,8 @@ class DraftTree:
             their KV entries are always dropped; the engine hands their logits back to the drafter.
         aux_parent (`torch.LongTensor` of shape `(batch_size, num_aux)`, *optional*):
             Parent of each auxiliary node, in the joint numbering `[draft nodes; aux nodes]` (`-1` = root). An aux
-            node attends to the cache, its ancestors and itself, and sits at position `parent position + 1`.
+            node attends to the cache, its ancestors and itself, and sits at position `parent position + 1`, at most
+            at depth `request.max_depth` (as draft nodes; deeper aux logits predict tokens no pass can commit).
     """
 
     input_ids: torch.LongTensor

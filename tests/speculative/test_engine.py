@@ -715,6 +715,29 @@ def test_auxiliary_inputs_of_the_prefill_give_the_first_pass_its_draft(tiny_llam
         torch.testing.assert_close(prefill.aux_logits[b], torch.cat([chain, alone]), atol=1e-5, rtol=1e-5)
 
 
+def test_auxiliary_inputs_near_max_length_are_capped_at_max_depth_only(tiny_llama):
+    """Aux inputs up to `max_depth` keep the text's positions next to `max_length` (their logits are the text's);
+    deeper ones sit at `max_depth`, where they could only seed drafts that no later pass verifies."""
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=4, do_sample=False)
+    embed = tiny_llama.get_input_embeddings().weight.detach().clone()
+
+    max_depths = []
+
+    class UnderTheRoot(ReferenceDrafter):
+        def propose(self, request):
+            max_depths.append(int(request.max_depth[0]))
+            return _aux_only(embed[[11, 12, 13]][None], torch.tensor([[-1, 0, 1]]))
+
+    drafter = UnderTheRoot(reference)
+    out = tiny_llama.generate(input_ids, max_new_tokens=4, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(out, reference)
+    assert max_depths == [2, 1, 0]  # one token a pass: the roots are the 5th, 6th and 7th tokens
+    result = drafter.results[2]  # max_depth 1: the aux chain's first input keeps its position, the others are capped
+    expected = tiny_llama(torch.cat([reference[:, :6], torch.tensor([[11]])], 1)).logits[0, -1]
+    torch.testing.assert_close(result.aux_logits[0, 0], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_auxiliary_inputs_stay_inside_a_position_table():
     """Prefill aux inputs deeper than the first pass could commit sit at that depth, as a pass's do: GPT-2's learned
     positions end where `max_length` does, and a chain of 10 prompt tokens under a 16-token prompt would index past
