@@ -441,6 +441,25 @@ def test_a_drafter_on_a_pinned_model_says_which_tokenizer_it_checked(tmp_path):
     assert "pass that revision's tokenizer as `tokenizer=`" in message
 
 
+def test_a_drafter_on_a_local_model_of_another_tokenizer_blames_no_revision(tmp_path):
+    """A model loaded from a local directory has no branch nor revision: its saved tokenizer is the one checked, and
+    a mismatch means the index was built for another model. The refusal said it was checked "at its default branch"
+    and asked for "that revision's tokenizer"."""
+    _, _, _, artifact = _tiny_index_artifact(tmp_path)  # built with the character tokenizer of `base`
+    other = write_tiny_llama(tmp_path / "other")
+    tokenizer_json = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer_json["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(other)
+    with pytest.raises(ValueError, match="Rebuild the index with this model") as err:
+        model.generate(torch.tensor([[5, 6, 7]]), do_sample=False, max_new_tokens=4, custom_generate=str(artifact),
+                       trust_remote_code=True)  # fmt: skip
+    assert "default branch" not in str(err.value) and "revision" not in str(err.value)
+
+
 def test_a_published_drafter_artifact_runs_from_generate_by_repo_id(tmp_path):
     _, _, base, artifact = _tiny_index_artifact(tmp_path)
     cache = tmp_path / "hub"

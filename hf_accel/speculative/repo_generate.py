@@ -12,12 +12,13 @@ out = model.generate(**inputs, custom_generate="ORG/NAME", trust_remote_code=Tru
 (transformers loads this file and calls its `generate(model=..., **arguments of the call)` in place of its own).
 Greedy output is token-identical to plain greedy `generate`. The drafter is built once per model and reused, so
 what it learns about pass costs carries over between calls; `drafter=` overrides it. The index's tokenizer check
-uses the call's `tokenizer=` or, without one, the tokenizer of `model.name_or_path` at its default branch:
-transformers does not record the revision a model was loaded from, so a model loaded with `revision=` passes
-`tokenizer=` loaded with the same one. Needs `hf-accel` installed (`custom_generate/requirements.txt`).
+uses the call's `tokenizer=` or, without one, the tokenizer of `model.name_or_path` (a Hub id: at its default
+branch; transformers does not record the revision a model was loaded from, so a model loaded with `revision=` passes
+`tokenizer=` loaded with the same one). Needs `hf-accel` installed (`custom_generate/requirements.txt`).
 """
 
 import copy
+import os
 import weakref
 
 
@@ -52,7 +53,7 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
         try:
             drafter = build_drafter(DRAFTER, ARTIFACT, model, tokenizer)
         except TokenizerMismatchError as err:
-            if call_tokenizer is not None:
+            if call_tokenizer is not None or os.path.isdir(model.name_or_path):  # a local model has no revisions
                 raise
             raise TokenizerMismatchError(
                 f"{err} (checked against the tokenizer of {model.name_or_path!r} at its default branch, not "
