@@ -263,8 +263,9 @@ def left_padded_batch(tokenizer, texts: list[str], add_special_tokens: bool | li
     tokens must follow each prompt's last token), and the pad id to give `generate`. A tokenizer without a pad token
     (Llama, Mistral) pads with EOS, as `generate` does (the attention mask hides the pads), and is left as it was;
     [`load_model_and_tokenizer`] sets this for good. One with neither pads with id 0 (any id serves under the mask)
-    and gives pad id `None` (`generate` then takes its generation config's). `add_special_tokens` is one flag for
-    every text, or one per text (each text tokenized as asked, then the rows padded together)."""
+    and gives pad id `None`: passed to `generate`, it replaces the generation config's, so finished rows are padded
+    with the first EOS id, as `generate` does without a pad id. `add_special_tokens` is one flag for every text, or
+    one per text (each text tokenized as asked, then the rows padded together)."""
     if getattr(tokenizer, "pad_token_id", None) is None and getattr(tokenizer, "eos_token", None) is None:
         flags = [add_special_tokens] * len(texts) if isinstance(add_special_tokens, bool) else add_special_tokens
         rows = [tokenizer(text, add_special_tokens=flag)["input_ids"] for text, flag in zip(texts, flags)]
