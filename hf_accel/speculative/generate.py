@@ -79,10 +79,10 @@ def custom_generate(
         `torch.LongTensor` of shape `(batch_size, prompt_length + generated)` (or a `GenerateDecoderOnlyOutput` with
         `return_dict_in_generate=True`, whose `past_key_values` is `None`: the engine's cache has holes between a
         batch's rows and has dropped finished rows, so it is not the cache plain `generate` would return), with
-        `.speculative_stats` attached ([`SpeculativeStats`]). `drafter.last_stats` is set to them too: a plain
-        attribute is shared by every thread that uses the drafter (the last call to end wins), so with one drafter
-        serving several threads read the output's; [`~hf_accel.speculative.drafters.InfinigramDrafter`] keeps
-        `last_stats` per thread.
+        `.speculative_stats` attached ([`SpeculativeStats`]). `drafter.last_stats` is set to them too (what a
+        thread that only started the call, as with `TextIteratorStreamer`, can read after joining it); with one
+        drafter serving calls in several threads at once, `last_stats` is the last call to end, so read each call's
+        from its output.
 
     Example:
 

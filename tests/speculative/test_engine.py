@@ -1200,23 +1200,22 @@ def test_overlapping_assisted_calls_on_one_model_each_run_their_own_drafter(tiny
     assert "_get_candidate_generator" not in vars(tiny_llama)
 
 
-def test_one_drafter_serving_threads_gives_each_thread_its_own_last_stats(tiny_llama):
-    """One drafter serving `generate` calls in several threads (as the Hub loader's cached one does): its
-    `last_stats` was one attribute, so a thread read whichever call had ended last, another thread's."""
+def test_one_drafter_serving_threads_gives_each_call_its_own_stats(tiny_llama):
+    """One drafter serving `generate` calls in several threads at once (as the Hub loader's cached one does): each
+    output carries its own call's stats, and a thread that only started the calls (a `TextIteratorStreamer` user)
+    reads the last one's as `drafter.last_stats` after joining them."""
     import threading
 
     from hf_accel.speculative.drafters import InfinigramDrafter
 
     drafter = InfinigramDrafter(None)
     prompts = [torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]]), torch.tensor([[9, 10, 11, 12, 13]])]
-    both_done, outs, seen, errors = threading.Barrier(2, timeout=120), [None, None], [None, None], []
+    outs, errors = [None, None], []
 
     def run(i):
         try:
             outs[i] = tiny_llama.generate(prompts[i], max_new_tokens=6 + 4 * i, do_sample=False,
                                           custom_generate=custom_generate, drafter=drafter)  # fmt: skip
-            both_done.wait()  # both calls have ended: one of them last
-            seen[i] = drafter.last_stats
         except Exception as err:  # noqa: BLE001 (reported below)
             errors.append(err)
 
@@ -1226,10 +1225,9 @@ def test_one_drafter_serving_threads_gives_each_thread_its_own_last_stats(tiny_l
     for thread in threads:
         thread.join(120)
     assert not errors
-    assert [s.new_tokens for s in seen] == [6, 10]
-    assert all(seen[i] is outs[i].speculative_stats for i in range(2))
-    assert drafter.last_stats is None  # this thread ran no call
-    copy.deepcopy(drafter)  # still copyable (a `threading.local` is not)
+    assert [out.speculative_stats.new_tokens for out in outs] == [6, 10]
+    assert any(drafter.last_stats is out.speculative_stats for out in outs)
+    copy.deepcopy(drafter)
 
 
 def test_a_drafter_s_last_stats_never_describe_an_earlier_call(tiny_llama):

@@ -232,18 +232,7 @@ class InfinigramDrafter:
         # per thread (one drafter may serve `generate` calls in several threads, as the Hub loader's cached one does):
         # original row -> (parents, scores) of the nodes proposed in that thread's pending pass
         self._proposed = {}
-        self._thread_stats = {}  # thread id -> last stats (a dict, not `threading.local`: the drafter stays copyable)
-
-    @property
-    def last_stats(self):
-        """The [`~hf_accel.speculative.engine.SpeculativeStats`] of the last `custom_generate` call that ended in this
-        thread (`None` before one, or after one that raised): one drafter serving calls in several threads gives
-        each thread its own calls' figures. A call's own are also on its output, `out.speculative_stats`."""
-        return self._thread_stats.get(threading.get_ident())
-
-    @last_stats.setter
-    def last_stats(self, stats):
-        self._thread_stats[threading.get_ident()] = stats
+        self.last_stats = None  # set by `custom_generate`: see its docstring
 
     def propose(self, request) -> DraftTree | None:
         batch_size = len(request.rows)
