@@ -495,6 +495,16 @@ def test_a_header_larger_than_the_cap_is_refused_before_it_is_read(small_index, 
         InfinigramIndex(path)
 
 
+def test_sources_too_long_for_a_header_are_refused_before_the_build(tmp_path):
+    # a header over the cap would be written and then refused by every load: the build refuses it first, writing nothing
+    sources = [f"/data/shard-{i:07d}.txt" for i in range(700_000)]
+    with pytest.raises(ValueError, match="`sources` take .* bytes of JSON; a header holds at most 16,777,216"):
+        build_index([[3, 7, 3]], tmp_path / "idx", *_fingerprint(), sources=sources)
+    assert not (tmp_path / "idx").exists()
+    build_index([[3, 7, 3]], tmp_path / "idx", *_fingerprint(), sources=sources[:1000])
+    assert len(InfinigramIndex(tmp_path / "idx").header.sources) == 1000
+
+
 def test_a_first_table_of_another_index_is_refused(small_index, tmp_path):
     path = tmp_path / "copy"
     shutil.copytree(small_index[1].path, path)

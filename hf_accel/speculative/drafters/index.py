@@ -107,6 +107,13 @@ def build_index(
     """
     from ...atomic import staged_files
 
+    # checked before any work: a header over the cap would be written, then refused by every load
+    provenance = len(json.dumps(sources or [], indent=1).encode())
+    if provenance > MAX_HEADER_BYTES - 4096:  # the other fields take a few hundred bytes
+        raise ValueError(
+            f"the index's `sources` take {provenance:,} bytes of JSON; a header holds at most {MAX_HEADER_BYTES:,}: "
+            "list fewer, shorter sources (e.g. the folder instead of each file)"
+        )
     # the old header goes first and the new one last: an interrupted rebuild (or a bad document found half way)
     # does not load, rather than pairing new tokens with an old suffix array
     with staged_files(out_dir, last=("header.json",)) as tmp:
