@@ -523,14 +523,13 @@ def test_bench_care_caches_are_reused_only_with_the_settings_they_were_made_with
     assert cached(None, {"seed": 1}, lambda: "not saved") == "not saved"
 
 
-def test_bench_care_caches_load_without_unpickling_code(tmp_path, monkeypatch, capsys):
-    # --calib-cache was read with torch.load(weights_only=False), which runs whatever code a crafted file pickles: the
-    # calibration is saved as its fields, read back with weights_only=True; an older file is refused in one line
+def _bench_care_on_a_tiny_model(tmp_path, monkeypatch):
+    """`scripts/bench_care.py`'s namespace, with the default model replaced by a tiny one, and the arguments of its
+    smallest run (one method, `--json`) on a text file in `tmp_path`."""
     import runpy
     from pathlib import Path
 
     import hf_accel.loading
-    from hf_accel.compress.calibration import KvCalibration
     from tests.conftest import make_tiny_llama
     from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
 
@@ -541,10 +540,20 @@ def test_bench_care_caches_load_without_unpickling_code(tmp_path, monkeypatch, c
     )
     (tmp_path / "t.txt").write_text("To be, or not to be: that is the question. " * 20)
     script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "bench_care.py"), run_name="x")
-    cache = tmp_path / "cal.pt"
     argv = ["--text", str(tmp_path / "t.txt"), "--kv-keep", "0.5", "--methods", "care", "--calib-text-samples", "2"]
     argv += ["--calib-generated-samples", "1", "--calib-seq-len", "16", "--eval-tokens", "64"]
-    argv += ["--eval-generated-tokens", "16", "--eval-seq-len", "32", "--json", "--calib-cache", str(cache)]
+    argv += ["--eval-generated-tokens", "16", "--eval-seq-len", "32", "--json"]
+    return script, argv
+
+
+def test_bench_care_caches_load_without_unpickling_code(tmp_path, monkeypatch, capsys):
+    # --calib-cache was read with torch.load(weights_only=False), which runs whatever code a crafted file pickles: the
+    # calibration is saved as its fields, read back with weights_only=True; an older file is refused in one line
+    from hf_accel.compress.calibration import KvCalibration
+
+    script, argv = _bench_care_on_a_tiny_model(tmp_path, monkeypatch)
+    cache = tmp_path / "cal.pt"
+    argv += ["--calib-cache", str(cache)]
     reports = []
     for _ in range(2):  # made, then read back
         assert script["main"](argv) == 0
@@ -602,23 +611,7 @@ def test_a_numpy_kv_keep_is_taken_as_a_float():
 
 def test_bench_care_json_is_the_only_thing_on_stdout(tmp_path, monkeypatch, capsys):
     # the table, the calibration line and one progress line per row went to stdout before the JSON
-    import runpy
-    from pathlib import Path
-
-    import hf_accel.loading
-    from tests.conftest import make_tiny_llama
-    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
-
-    monkeypatch.setattr(
-        hf_accel.loading,
-        "load_model_and_tokenizer",
-        lambda *a, **k: (make_tiny_llama(vocab_size=VOCAB_SIZE), make_char_tokenizer()),
-    )
-    (tmp_path / "t.txt").write_text("To be, or not to be: that is the question. " * 20)
-    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "bench_care.py"), run_name="x")
-    argv = ["--text", str(tmp_path / "t.txt"), "--kv-keep", "0.5", "--methods", "care", "--calib-text-samples", "2"]
-    argv += ["--calib-generated-samples", "1", "--calib-seq-len", "16", "--eval-tokens", "64"]
-    argv += ["--eval-generated-tokens", "16", "--eval-seq-len", "32", "--json"]
+    script, argv = _bench_care_on_a_tiny_model(tmp_path, monkeypatch)
     assert script["main"](argv) == 0
     out = capsys.readouterr().out
     report = json.loads(out)
