@@ -14,6 +14,7 @@ from hf_accel.speculative import DraftTree, assisted_generate, custom_generate
 from hf_accel.speculative.drafters import InfinigramConfig, InfinigramDrafter, build_index, tokenizer_fingerprint
 from hf_accel.speculative.drafters.build import pieces_within_vocabulary
 from hf_accel.speculative.drafters.infinigram import node_depths
+from tests.speculative.test_engine import CollectingStreamer
 
 
 VOCAB = 104  # the character tokenizer's
@@ -103,17 +104,6 @@ class _NoDraft:
         return None
 
 
-class _Collect:
-    def __init__(self):
-        self.tokens, self.ends = [], 0
-
-    def put(self, value):
-        self.tokens += value.flatten().tolist()
-
-    def end(self):
-        self.ends += 1
-
-
 def _prompts(batch_size: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, VOCAB, (batch_size, 10), generator=generator)
@@ -157,7 +147,7 @@ def _check_case(i: int, case: dict, model, tokenizer, index_dir):
     loop = assisted_generate if case["loop"] == "assisted" else custom_generate
 
     def run(drafter, **extra):
-        streamer = _Collect() if case["stop"] == "streamer" else None
+        streamer = CollectingStreamer() if case["stop"] == "streamer" else None
         out = model.generate(**kwargs, **extra, custom_generate=loop, drafter=drafter, streamer=streamer)
         if streamer is not None:
             assert streamer.tokens == out[0].tolist() and streamer.ends == 1, case

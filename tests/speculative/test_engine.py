@@ -259,24 +259,27 @@ def test_seeded_sampled_text_of_the_assisted_loop_does_not_depend_on_the_drafts(
         assert torch.equal(out, expected)
 
 
+class CollectingStreamer:
+    """A streamer that keeps what it is given: every token in order, each `put`'s shape, and how often it ended."""
+
+    def __init__(self):
+        self.tokens, self.shapes, self.ends = [], [], 0
+
+    def put(self, value):
+        self.tokens += value.flatten().tolist()
+        self.shapes.append(tuple(value.shape))
+
+    def end(self):
+        self.ends += 1
+
+
 def test_streamer_receives_exactly_the_output(tiny_llama):
-    class Collect:
-        def __init__(self):
-            self.tokens, self.ended, self.shapes = [], False, []
-
-        def put(self, value):
-            self.tokens += value.flatten().tolist()
-            self.shapes.append(tuple(value.shape))
-
-        def end(self):
-            self.ended = True
-
     input_ids = torch.tensor([[5, 6, 7, 8]])
     reference = tiny_llama.generate(input_ids, max_new_tokens=12, do_sample=False)
-    streamer = Collect()
+    streamer = CollectingStreamer()
     out = tiny_llama.generate(input_ids, max_new_tokens=12, streamer=streamer, custom_generate=custom_generate,
                               drafter=ReferenceDrafter(reference))  # fmt: skip
-    assert streamer.ended and streamer.tokens == out[0].tolist() == reference[0].tolist()
+    assert streamer.ends == 1 and streamer.tokens == out[0].tolist() == reference[0].tolist()
     # several tokens of one row come as `[1, n]`, as transformers' assisted loop puts them: a 1-D tensor is one token
     # per row in `generate`'s own loop, so a batch-aware streamer read `[n]` as n rows
     assert all(len(shape) == 2 and shape[0] == 1 for shape in streamer.shapes[1:])
@@ -305,16 +308,6 @@ def test_a_stop_point_inside_an_accepted_draft_ends_the_text_and_the_stream_ther
         def __call__(self, input_ids, scores, **kwargs):
             return torch.tensor([row[-len(self.tokens) :].tolist() == self.tokens for row in input_ids])
 
-    class Collect:
-        def __init__(self):
-            self.tokens, self.ends = [], 0
-
-        def put(self, value):
-            self.tokens += value.flatten().tolist()
-
-        def end(self):
-            self.ends += 1
-
     input_ids = torch.tensor([[5, 6, 7, 8]])
     free = tiny_llama.generate(input_ids, max_new_tokens=24, do_sample=False)
     kwargs = {
@@ -325,7 +318,7 @@ def test_a_stop_point_inside_an_accepted_draft_ends_the_text_and_the_stream_ther
     reference = tiny_llama.generate(input_ids, **kwargs)
     assert reference.shape[1] <= 14  # plain `generate` stops at the pattern's first occurrence
     for depth in (3, 8, 12):
-        streamer = Collect()
+        streamer = CollectingStreamer()
         out = tiny_llama.generate(input_ids, **kwargs, custom_generate=loop, streamer=streamer,
                                   drafter=ReferenceDrafter(free, depth=depth, corrupt_every=0))  # fmt: skip
         assert torch.equal(out, reference)
