@@ -1,6 +1,7 @@
 """`hf-accel convert care` and `hf-accel convert palu`: the converters' command line."""
 
 import argparse
+import dataclasses
 import sys
 
 from ..cli import add_model_options, load_model, user_path
@@ -159,6 +160,7 @@ def run_convert_palu(args) -> int:
         group_size=args.group_size,
         ranks=args.ranks,
         quant_bits=args.quant_bits,
+        hadamard=not args.no_hadamard,
         quant_group_size=args.quant_group_size,
         residual_length=args.residual_length,
         calib_samples=args.calib_samples,
@@ -173,23 +175,8 @@ def run_convert_palu(args) -> int:
         model, tokenizer, args.calib, args.calib_samples, args.calib_seq_len, seed=conversion.seed,
         progress=True,  # bars go to stderr, --json to stdout
     )  # fmt: skip
-    palu, info = convert_palu(
-        model,
-        tokenizer,
-        kv_keep=args.kv_keep,
-        group_size=group_size,
-        ranks=args.ranks,
-        quant_bits=args.quant_bits,
-        hadamard=not args.no_hadamard,
-        calibration_ids=ids,
-        progress=True,  # bars go to stderr, --json to stdout
-        calib_samples=args.calib_samples,
-        calib_seq_len=args.calib_seq_len,
-        fisher_samples=args.fisher_samples,
-        rank_multiple=args.rank_multiple,
-        quant_group_size=args.quant_group_size,
-        residual_length=args.residual_length,
-    )
+    options = dict(dataclasses.asdict(conversion), group_size=group_size)  # the options checked above, as they are
+    palu, info = convert_palu(model, tokenizer, calibration_ids=ids, progress=True, **options)  # bars go to stderr
     palu = to_checkpoint_dtype(palu, source)  # converted in --dtype, saved like the original
     info["window_bytes_per_sequence"] = window_bytes_per_sequence(palu)  # in the saved dtype
     info["calibration_source"] = published_calibration_source(args.calib)  # a local file by its name
