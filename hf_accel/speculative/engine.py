@@ -568,14 +568,12 @@ class SpeculativeEngine:
         aux_depths = ancestors[:, prompt_length:, prompt_length:].sum(-1)  # the last prompt token has depth 0
         aux_depths = torch.minimum(aux_depths, state.max_depth().clamp(min=0)[:, None])
         aux_positions = (state.next_position - 1)[:, None] + aux_depths
-        prompt_mask = state.prompt_mask.bool()
-        prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0) + _position_offset(state)[:, None]
-        key_positions = torch.cat([prompt_positions, aux_positions], dim=1)
+        key_positions = torch.cat([_slot_positions(state), aux_positions], dim=1)  # the prompt's slots, then the aux
         positions = position_ids.to(device).expand(*position_ids.shape[:-2], len(state.rows), -1)
         aux_positions = aux_positions.expand(*positions.shape[:-2], -1, -1)  # M-RoPE's 3D ids: one copy per axis
         return {
             "inputs_embeds": self._embeds_with_aux(input_ids, aux.aux_embeds),
-            "attention_mask": self._tree_mask(ancestors, prompt_mask[:, :0], key_positions),
+            "attention_mask": self._tree_mask(ancestors, state.past_mask[:, :0], key_positions),  # no cache yet
             "position_ids": torch.cat([positions, aux_positions], dim=-1),
         }
 
@@ -655,8 +653,7 @@ class SpeculativeEngine:
         if self.window is not None or accepts_key_positions:
             # every cache slot's position, then every node's: holes make slot indices and positions differ (a hole's
             # entry is masked, its position never read)
-            past_positions = (state.past_mask.long().cumsum(-1) - 1).clamp(min=0) + _position_offset(state)[:, None]
-            key_positions = torch.cat([past_positions, positions], dim=1)
+            key_positions = torch.cat([_slot_positions(state), positions], dim=1)
         mask = self._attention_mask(state, ancestors, node_valid, key_positions, drafted=parent.shape[1] > 1)
         if tree.num_aux:
             inputs = {"inputs_embeds": self._embeds_with_aux(tree_ids, tree.aux_embeds)}
@@ -801,10 +798,13 @@ def _close_holes(state, cache) -> None:
     state.past_mask = valid[:, length - kept :].bool()
 
 
-def _position_offset(state) -> torch.LongTensor:
-    """`[B_active]`: position of a row's first real token (0 unless the call gave `position_ids` starting elsewhere).
-    Every pass adds as many positions as valid slots, so the difference stays what the prompt set."""
-    return state.next_position - state.past_mask.sum(-1)
+def _slot_positions(state) -> torch.LongTensor:
+    """`[B_active, S_cache]`: the position of every cache slot (a hole's or a padding slot's is never read, it is
+    masked). Real slots count up from a row's first real token, whose position is 0 unless the call gave
+    `position_ids` starting elsewhere: every pass adds as many positions as valid slots, so that offset stays what
+    the prompt set."""
+    offset = state.next_position - state.past_mask.sum(-1)
+    return (state.past_mask.long().cumsum(-1) - 1).clamp(min=0) + offset[:, None]
 
 
 def _to_device(value, device):
