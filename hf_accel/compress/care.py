@@ -41,7 +41,8 @@ from .ranks import budget_from_kv_keep, raw_sigma_gains, relative_energy_gains, 
 
 
 METHODS = ("care", "care-u", "care-e-raw", "care-e-rel", "svd", "asvd")
-# model_type of the original → (config class, causal LM class, bare decoder class) in hf_accel/models/{configuration,modeling}_care.py
+# model_type of the original → (config class, causal LM class, bare decoder class), in
+# hf_accel/models/{configuration,modeling}_care.py
 FAMILIES = {
     "llama": ("CareLlamaConfig", "CareLlamaForCausalLM", "CareLlamaModel"),
     "mistral": ("CareMistralConfig", "CareMistralForCausalLM", "CareMistralModel"),

@@ -156,7 +156,8 @@ def prefill_ancestors(prompt_mask: torch.BoolTensor, aux_parent: torch.LongTenso
         `torch.BoolTensor` of shape `(batch_size, prompt_length + num_aux, prompt_length + num_aux)`: a prompt token
         sees the real prompt tokens up to itself (what `generate`'s prefill mask allows), an auxiliary input every
         real prompt token, its auxiliary ancestors and itself; no prompt token sees an auxiliary input. A left-padding
-        position sees nothing (a masked position inside a prompt sees the real tokens before it, as in `generate`). Use it as `ancestors` of [`build_tree_attention_mask`] with an empty `past_mask`.
+        position sees nothing (a masked position inside a prompt sees the real tokens before it, as in `generate`).
+        Use it as `ancestors` of [`build_tree_attention_mask`] with an empty `past_mask`.
     """
     prompt_mask = prompt_mask.bool()
     batch_size, prompt_length = prompt_mask.shape

@@ -313,8 +313,9 @@ class InfinigramIndex:
         self.num_tokens = len(self.tokens)
 
     def check_tokenizer(self, tokenizer) -> None:
-        """Raises [`TokenizerMismatchError`] (a `ValueError`) unless `tokenizer` maps the ids the index can hold (those below the header's
-        `vocab_size`) as the build's tokenizer did: tokens added after them (a pad token) are fine."""
+        """Raises [`TokenizerMismatchError`] (a `ValueError`) unless `tokenizer` maps the ids the index can hold
+        (those below the header's `vocab_size`) as the build's tokenizer did: tokens added after them (a pad token)
+        are fine."""
         bound = self.header.vocab_size
         name, vocab_hash, vocab_size = tokenizer_fingerprint(tokenizer, below=bound)
         if vocab_hash != self.header.vocab_hash:
