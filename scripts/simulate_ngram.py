@@ -82,7 +82,8 @@ def parse_grid(text: str) -> dict:
 
 
 def read_extra_docs(path: str, parser) -> list[list[int]]:
-    """The documents of `--extra-docs`: a JSON list of lists of token ids (JSON, not a pickle, which runs code on load)."""
+    """The documents of `--extra-docs`: a JSON list of lists of token ids (JSON, not a pickle, which runs code on
+    load)."""
     try:
         docs = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:

@@ -65,8 +65,8 @@ def check_source_model(name: str, path: str) -> None:
 def uninitialized_model(model_class, config, dtype):
     """`model_class` built from `config` in `dtype` with its parameters on the meta device: [`load_converted_state`]
     then assigns every one of them (strictly). Allocating and initialising weights that are overwritten cost a second
-    copy of the model at peak (`scripts/probe_conversion_memory.py`) and 23 s at 1B shapes. Buffers computed at construction
-    (RoPE frequencies) are made as usual."""
+    copy of the model at peak (`scripts/probe_conversion_memory.py`) and 23 s at 1B shapes. Buffers computed at
+    construction (RoPE frequencies) are made as usual."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
