@@ -176,8 +176,7 @@ def test_prefill_auxiliary_inputs_on_converted_models(kind):
     """PPD's prompt tokens in the prefill (`propose_prefill`) on latent caches: their entries are dropped from CARE's
     one-head latents and from Palu's quantized cache with its full-precision window, their logits are those of the
     real prompt continued by them, and greedy output stays plain `generate`'s."""
-    from hf_accel.speculative import DraftTree
-    from tests.speculative.test_engine import ReferenceDrafter, _aux_only
+    from tests.speculative.test_engine import PrefillGuessDrafter, prefill_aux_logits_alone
 
     if kind == "palu-window":
         model = _tiny_palu(residual_length=4)
@@ -192,26 +191,9 @@ def test_prefill_auxiliary_inputs_on_converted_models(kind):
     embed = model.get_input_embeddings().weight.detach().clone()
     aux_tokens = torch.stack([reference[:, 9], reference[:, 10], torch.full((3,), 11)], dim=1)  # a chain, then a leaf
 
-    class PrefillGuesses(ReferenceDrafter):
-        def propose_prefill(self, request):
-            rows = request.rows
-            return _aux_only(embed[aux_tokens[rows]], torch.tensor([[-1, 0, -1]]).expand(len(rows), -1))
-
-        def propose(self, request):
-            if len(self.results) > 1:
-                return super().propose(request)
-            prefill = self.results[0]  # the first pass drafts the prefill chain's guesses
-            index = [prefill.rows.tolist().index(row) for row in request.rows.tolist()]
-            return DraftTree.from_chains(prefill.aux_logits[index, :2].argmax(-1).tolist())
-
-    drafter = PrefillGuesses(reference)
+    drafter = PrefillGuessDrafter(reference, embed, aux_tokens)
     out = model.generate(**kwargs, pad_token_id=0, custom_generate=custom_generate, drafter=drafter)
     assert torch.equal(out, reference)
     assert [len(tokens) for tokens in drafter.results[1].new_tokens] == [3, 3, 3]  # both guesses, then the bonus
-    with torch.no_grad():
-        for b in range(3):
-            real = input_ids[b, attention_mask[b].bool()]
-            chain = model(torch.cat([real, aux_tokens[b, :2]])[None]).logits[0, -2:]
-            alone = model(torch.cat([real, aux_tokens[b, 2:]])[None]).logits[0, -1:]
-            expected = torch.cat([chain, alone])
-            torch.testing.assert_close(drafter.results[0].aux_logits[b], expected, atol=1e-5, rtol=1e-5)
+    expected = prefill_aux_logits_alone(model, input_ids, attention_mask, aux_tokens)
+    torch.testing.assert_close(drafter.results[0].aux_logits, expected, atol=1e-5, rtol=1e-5)

@@ -666,6 +666,43 @@ def _aux_only(aux_embeds, aux_parent):
     return DraftTree(empty, empty.clone(), aux_embeds=aux_embeds, aux_parent=aux_parent)
 
 
+class PrefillGuessDrafter(ReferenceDrafter):
+    """PPD's prefill in miniature: the prefill's auxiliary inputs are the embeddings (`embed`) of `aux_tokens` `[B, 3]`,
+    the first two a chain under the last prompt token, the third a second chain; the first pass drafts the guesses
+    of the first chain's logits, later passes draft from `reference`. It also reads the last layer's hidden states
+    (as CP heads and SpecFormer do: the prompt's, never the aux inputs')."""
+
+    requires_hidden_states = (-1,)
+
+    def __init__(self, reference, embed, aux_tokens, **kwargs):
+        super().__init__(reference, **kwargs)
+        self.embed, self.aux_tokens = embed, aux_tokens
+
+    def propose_prefill(self, request):
+        rows = request.rows
+        return _aux_only(self.embed[self.aux_tokens[rows]], torch.tensor([[-1, 0, -1]]).expand(len(rows), -1))
+
+    def propose(self, request):
+        if len(self.results) > 1:
+            return super().propose(request)
+        prefill = self.results[0]
+        index = [prefill.rows.tolist().index(row) for row in request.rows.tolist()]
+        return DraftTree.from_chains(prefill.aux_logits[index, :2].argmax(-1).tolist())
+
+
+@torch.no_grad()
+def prefill_aux_logits_alone(model, input_ids, attention_mask, aux_tokens):
+    """`[B, 3, V]`: what [`PrefillGuessDrafter`]'s aux inputs must score, each row's real prompt (padding dropped)
+    continued by its first chain, and by its second, in plain forwards."""
+    rows = []
+    for b in range(len(input_ids)):
+        real = input_ids[b, attention_mask[b].bool()]
+        chain = model(torch.cat([real, aux_tokens[b, :2]])[None]).logits[0, -2:]
+        alone = model(torch.cat([real, aux_tokens[b, 2:]])[None]).logits[0, -1:]
+        rows.append(torch.cat([chain, alone]))
+    return torch.stack(rows)
+
+
 def test_auxiliary_inputs_of_the_prefill_give_the_first_pass_its_draft(tiny_llama):
     """PPD runs its prompt tokens in the prefill (spec 004 §5.2): their logits are the first step's guesses, so the
     first verification pass has a draft. Here the prompt tokens are the embeddings of the two tokens greedy decoding
@@ -680,32 +717,15 @@ def test_auxiliary_inputs_of_the_prefill_give_the_first_pass_its_draft(tiny_llam
     embed = tiny_llama.get_input_embeddings().weight.detach().clone()
     aux_tokens = torch.stack([reference[:, width], reference[:, width + 1], torch.full((3,), 11)], dim=1)
 
-    class Oracle(ReferenceDrafter):
-        requires_hidden_states = (-1,)  # CP and SpecFormer read them: the prompt's, not the aux inputs'
-
-        def propose_prefill(self, request):
-            rows = request.rows
-            return _aux_only(embed[aux_tokens[rows]], torch.tensor([[-1, 0, -1]]).expand(len(rows), -1))
-
-        def propose(self, request):
-            if len(self.results) > 1:
-                return super().propose(request)
-            prefill = self.results[0]  # the first pass drafts the guesses of the prefill's chain
-            index = [prefill.rows.tolist().index(row) for row in request.rows.tolist()]
-            return DraftTree.from_chains(prefill.aux_logits[index, :2].argmax(-1).tolist())
-
-    drafter = Oracle(reference, tree=True)
+    drafter = PrefillGuessDrafter(reference, embed, aux_tokens, tree=True)
     out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
     assert torch.equal(out, reference)
     prefill, first = drafter.results[0], drafter.results[1]
     assert prefill.is_prefill and prefill.aux_logits.shape == (3, 3, 97)
     assert prefill.hidden_states[-1].shape == (3, width, 32)
     assert [len(tokens) for tokens in first.new_tokens] == [3, 3, 3]  # two guesses accepted, then the bonus token
-    for b in range(3):
-        real = input_ids[b, attention_mask[b].bool()]
-        chain = tiny_llama(torch.cat([real, aux_tokens[b, :2]])[None]).logits[0, -2:]
-        alone = tiny_llama(torch.cat([real, aux_tokens[b, 2:]])[None]).logits[0, -1:]
-        torch.testing.assert_close(prefill.aux_logits[b], torch.cat([chain, alone]), atol=1e-5, rtol=1e-5)
+    expected = prefill_aux_logits_alone(tiny_llama, input_ids, attention_mask, aux_tokens)
+    torch.testing.assert_close(prefill.aux_logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_auxiliary_inputs_near_max_length_are_capped_at_max_depth_only(tiny_llama):
