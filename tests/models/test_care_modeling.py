@@ -60,6 +60,31 @@ def test_absorbed_value_matches_unabsorbed(family_setup):
         torch.testing.assert_close(absorbed(_ids()).logits, plain(_ids()).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("absorb_value", [False, True])
+def test_truncated_conversion_is_the_original_with_each_projection_replaced_by_its_reconstruction(
+    family_setup, absorb_value
+):
+    """Below full rank the converted model is the original with every `W` replaced by `W_a W_b` (spec Stage 5):
+    each layer's K and V get their own ranks, and a K/V bias (Qwen2) is kept exactly on the up-projection rather than
+    factorized with the weight (TransMLA's constant-1 input column, spec Stage 5)."""
+    from hf_accel.compress.care import allocate_ranks, build_care_model, factorize_kv
+
+    _, model, calibration = family_setup
+    config = CareConversionConfig(kv_keep=0.4)  # the default method: two-sided factors, water-filled ranks
+    factors = factorize_kv(model, calibration, config.method, config)
+    k_ranks, v_ranks = allocate_ranks(factors, config.kv_keep, config.method)
+    assert k_ranks != v_ranks  # a K/V or layer mix-up of the ranks would show
+    reference = copy.deepcopy(model)
+    for layer, (fk, fv), rk, rv in zip(reference.model.layers, factors, k_ranks, v_ranks):
+        for proj, f, rank in ((layer.self_attn.k_proj, fk, rk), (layer.self_attn.v_proj, fv, rv)):
+            down, up = f.truncate(rank)
+            proj.weight.data = (down @ up).T.to(proj.weight.dtype)
+    care = build_care_model(model, factors, k_ranks, v_ranks, absorb_value)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(care(ids).logits, reference(ids).logits, atol=FULL_RANK_ATOL, rtol=0)
+
+
 def test_incremental_decoding_crop_and_gather(family_setup):
     """Latent caches survive the speculative engine's sequence-axis crop and index-select."""
     _, model, calibration = family_setup
