@@ -11,6 +11,11 @@ factors; fold the value reconstruction into `o_proj`; build a `PaluLlamaForCausa
 Grouping of GQA models (spec §7 item 7): groups are formed over the **key/value heads**, in order: group `g` holds KV
 heads `[g·s, (g+1)·s)`, and query head `h` reads KV head `h // (num_heads / num_key_value_heads)` as in the original.
 J-LRD with uniform ranks (`s = num_key_value_heads`) is CARE-U's factorization of the whole K or V projection.
+
+Whitening (spec §2.1): where the Palu code takes a Cholesky factor of the raw Gram matrix and splits `√Σ` to each side,
+`S` here is CARE's symmetric root of the shrunk moment `C_λ = (1 − α) C + α λ I` (α = 0.05, λ = 10⁻²·λ_max), and Σ
+goes whole into the down-projection `A = S⁻¹ U Σ`: every group's reconstruction `B = Vᵀ` has orthonormal rows (so
+has `Hᵀ B` after the Hadamard fold), and a latent's quantization error reaches the keys and values unamplified.
 """
 
 import numbers

@@ -580,3 +580,73 @@ def test_a_checkpoint_does_not_depend_on_how_long_its_conversion_took(tmp_path, 
     assert files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
     for file in files:
         assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
+
+
+def _whitened_group_reconstruction(weight, moment, group_cols, rank, alpha=0.05, lam_frac=1e-2):
+    """The spec's truncation-aware SVD of one group written out: `S = √C_λ` by eigh, `Ŵ_g = S⁻¹ U_r Σ_r V_rᵀ`."""
+    eye = torch.eye(moment.shape[0], dtype=torch.float64)
+    shrunk = (1 - alpha) * moment + alpha * lam_frac * torch.linalg.eigvalsh(moment).max() * eye
+    evals, evecs = torch.linalg.eigh(shrunk)
+    root = evecs @ torch.diag(evals.sqrt()) @ evecs.T
+    u, sigma, vt = torch.linalg.svd(root @ weight.double()[:, group_cols], full_matrices=False)
+    return torch.linalg.solve(root, u[:, :rank] * sigma[:rank]) @ vt[:rank], sigma
+
+
+def test_group_factors_whiten_by_the_shrunk_moment_and_keep_sigma_in_the_down_projection():
+    """Choices on spec 002 §2.1 (the Palu code: Cholesky of the raw Gram matrix, √Σ on each side): the whitening is
+    CARE's symmetric root of the shrunk moment `C_λ`, and Σ goes whole into the down-projection `A = S⁻¹ U Σ`, so
+    each group's reconstruction `B = Vᵀ` has orthonormal rows (a latent's quantization error reaches the keys and
+    values unamplified)."""
+    from hf_accel.compress.factorize import shrink_moment, symmetric_sqrt
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 12, generator=gen, dtype=torch.float64) @ torch.randn(
+        12, 12, generator=gen, dtype=torch.float64
+    )
+    moment = x.T @ x / 200
+    weight = torch.randn(12, 16, generator=gen, dtype=torch.float64)  # 4 KV heads of dim 4, groups of 2 heads
+    groups = factorize_groups(weight, symmetric_sqrt(shrink_moment(moment)), 4, 4, 2)
+    for g, factors in enumerate(groups):
+        cols = slice(8 * g, 8 * (g + 1))
+        expected, sigma = _whitened_group_reconstruction(weight, moment, cols, 3)
+        torch.testing.assert_close(factors.sigma, sigma, rtol=1e-9, atol=1e-12)  # C_λ, not the raw moment
+        down, up = factors.truncate(3)
+        torch.testing.assert_close(down @ up, expected, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(factors.up @ factors.up.T, torch.eye(8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_truncated_conversion_is_the_original_with_each_group_replaced_by_its_reconstruction(model, group_size):
+    """Below full rank, with K and V ranks that differ per layer (Fisher) and the Hadamard rotation folded in, the
+    float-latent model is the original with every group `W_g` of consecutive KV heads replaced by `Ŵ_g`."""
+    from hf_accel.compress.calibration import collect_kv_calibration
+
+    calibration = collect_kv_calibration(model, _ids(batch=8, length=16, seed=1), progress=False)
+    palu, info = convert_palu(
+        model,
+        None,
+        kv_keep=0.5,
+        group_size=group_size,
+        calibration=calibration,
+        fisher_scores=[(1.0, 3.0), (2.0, 0.5)],
+        **FAST,
+    )
+    assert info["k_ranks"] != info["v_ranks"] and info["k_ranks"][0] != info["k_ranks"][1]
+    reference, width = copy.deepcopy(model), group_size * model.config.head_dim
+    for idx, layer in enumerate(reference.model.layers):
+        for proj, rank in (
+            (layer.self_attn.k_proj, info["k_ranks"][idx]),
+            (layer.self_attn.v_proj, info["v_ranks"][idx]),
+        ):
+            weight = proj.weight.detach().T
+            groups = range(weight.shape[1] // width)
+            rebuilt = [
+                _whitened_group_reconstruction(
+                    weight, calibration.moments[idx], slice(g * width, (g + 1) * width), rank
+                )[0]
+                for g in groups
+            ]
+            proj.weight.data = torch.cat(rebuilt, dim=1).T.to(proj.weight.dtype)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(palu(ids).logits, reference(ids).logits, atol=2e-5, rtol=1e-4)
