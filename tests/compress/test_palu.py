@@ -253,6 +253,40 @@ def test_the_convert_command_group_holds_both_converters():
         assert parser.parse_args(["convert", converter, "--kv-keep", "0.5", "--out", "x"]).func is run
 
 
+def test_command_line_defaults_are_the_python_api_defaults():
+    """`convert care|palu` with only the required options convert as `convert_care` / `convert_palu` do with only
+    theirs, with the defaults the README compares with the specs (256 × 32 CARE calibration, α = 0.05; Palu: gs
+    from the KV heads, Fisher ranks, 64 × 256 calibration, 16 Fisher sequences, multiples of 8, seed 3)."""
+    import argparse
+    import inspect
+
+    from hf_accel.compress.care import CareConversionConfig, prepare_calibration
+    from hf_accel.compress.cli import add_cli
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    care = parser.parse_args(["convert", "care", "--kv-keep", "0.5", "--out", "x"])
+    calib = {k: p.default for k, p in inspect.signature(prepare_calibration).parameters.items()}
+    config = CareConversionConfig()
+    assert (care.method, care.alpha, care.absorb_value) == (config.method, config.alpha, config.absorb_value)
+    assert (care.calib, care.calib_samples, care.calib_seq_len, care.seed) == (
+        calib["calib"],
+        calib["num_samples"],
+        calib["seq_len"],
+        calib["seed"],
+    )
+    assert (care.calib_samples, care.calib_seq_len, care.alpha) == (256, 32, 0.05)
+    palu = parser.parse_args(["convert", "palu", "--kv-keep", "0.5", "--out", "x"])
+    config = PaluConversionConfig()
+    for name in ("group_size", "ranks", "quant_bits", "quant_group_size", "residual_length", "calib_samples"):
+        assert getattr(palu, name) == getattr(config, name), name
+    for name in ("calib_seq_len", "fisher_samples", "rank_multiple"):
+        assert getattr(palu, name) == getattr(config, name), name
+    assert palu.no_hadamard is not config.hadamard and palu.calib == "generated"
+    assert (config.ranks, config.calib_samples, config.calib_seq_len, config.fisher_samples) == ("fisher", 64, 256, 16)
+    assert (config.rank_multiple, config.seed, config.alpha) == (8, 3, 0.05)
+
+
 def test_cli_checks_the_model_before_calibrating(tmp_path, model, tokenizer, capsys, monkeypatch):
     import hf_accel.compress.calibration as calibration_module
     from hf_accel.cli import main
