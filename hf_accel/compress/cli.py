@@ -152,7 +152,14 @@ def run_convert_palu(args) -> int:
     from ..cli import print_json
     from ..loading import to_checkpoint_dtype
     from .calibration import load_calibration_ids, published_calibration_source
-    from .palu import PaluConversionConfig, check_palu_model, convert_palu, save_palu, window_bytes_per_sequence
+    from .palu import (
+        PaluConversionConfig,
+        check_fisher_samples,
+        check_palu_model,
+        convert_palu,
+        save_palu,
+        window_bytes_per_sequence,
+    )
 
     # Validate everything cheap before loading the model
     conversion = PaluConversionConfig(
@@ -168,6 +175,7 @@ def run_convert_palu(args) -> int:
         fisher_samples=args.fisher_samples,
         rank_multiple=args.rank_multiple,
     )
+    check_fisher_samples(args.fisher_samples, args.calib_samples, args.ranks == "fisher")
     source, base_model, out = _check_sources_and_output(args)
     model, tokenizer = load_model(args)
     group_size = check_palu_model(model, conversion)  # before the (slow) calibration

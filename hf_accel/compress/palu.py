@@ -407,6 +407,16 @@ def build_palu_model(model, layer_factors, k_ranks, v_ranks, conversion: PaluCon
     return load_converted_state(palu, state, model, "Palu")
 
 
+def check_fisher_samples(fisher_samples: int, calib_samples: int, needed: bool) -> None:
+    """Refuses, in one line, more Fisher sequences than calibration sequences (they are the first `fisher_samples`
+    of them): fewer would be used than the checkpoint's record says."""
+    if needed and fisher_samples > calib_samples:
+        raise ValueError(
+            f"fisher_samples {fisher_samples} exceeds the {calib_samples} calibration sequences it is taken from; "
+            "pass fewer Fisher samples or more calibration sequences"
+        )
+
+
 def _read_calibration(tokenizer, calibration_text, calibration_ids, conversion):
     if calibration_ids is not None and calibration_text:
         raise ValueError("pass calibration_text or calibration_ids, not both")
@@ -491,6 +501,9 @@ def convert_palu(
     input_ids = None
     if calibration is None or (conversion.ranks == "fisher" and fisher_scores is None):
         input_ids = _read_calibration(tokenizer, calibration_text, calibration_ids, conversion)
+        check_fisher_samples(
+            conversion.fisher_samples, len(input_ids), conversion.ranks == "fisher" and fisher_scores is None
+        )
     kfac = conversion.ranks == "kfac"
     if calibration is None:
         calibration = collect_kv_calibration(model, input_ids, with_output_grads=kfac, progress=progress)

@@ -306,6 +306,31 @@ def test_cli_checks_the_model_before_calibrating(tmp_path, model, tokenizer, cap
     assert "group_size 3 must divide" in err and "rank_multiple 512 exceeds" in err
 
 
+def test_more_fisher_samples_than_calibration_sequences_is_an_error(tmp_path, model, capsys):
+    """Fisher scores come from the first `fisher_samples` calibration sequences: with fewer sequences than that, 4 were
+    used while the checkpoint's record said 16. Refused in one line, by the command line before the model loads."""
+    from hf_accel.cli import main
+
+    options = {"kv_keep": 0.5, "calibration_ids": _ids(batch=4, length=16), "rank_multiple": 1, "progress": False}
+    with pytest.raises(ValueError, match="fisher_samples 16 exceeds the 4 calibration sequences"):
+        convert_palu(model, None, fisher_samples=16, **options)
+    _, info = convert_palu(model, None, fisher_samples=4, **options)  # all of them
+    assert info["settings"]["fisher_samples"] == 4
+    convert_palu(model, None, ranks="uniform", fisher_samples=16, **options)  # no Fisher scores: nothing to refuse
+    argv = [
+        "convert",
+        "palu",
+        "--model",
+        str(tmp_path / "not-loaded"),
+        "--out",
+        str(tmp_path / "o"),
+        "--kv-keep",
+        "0.5",
+    ]
+    assert main(argv + ["--calib-samples", "8", "--fisher-samples", "16"]) == 2
+    assert "fisher_samples 16 exceeds the 8 calibration sequences" in capsys.readouterr().err
+
+
 def test_quant_group_size_sets_scales_per_channel_group(model, tokenizer):
     # 4 channels per scale/zero-point: the measured cache bytes are those of 4-channel groups, and the finer grid
     # quantizes closer to the float model than one scale per latent does
