@@ -1318,3 +1318,95 @@ def test_a_self_distillation_record_that_is_not_utf_8_token_ids_is_refused_by_it
     data = b'{"key": "ok", "tokens": [1, 2]}\n' + line + b"\n"
     with pytest.raises(ValueError, match="cache.jsonl line 2 is not a self-distillation record"):
         parse_self_distill_records(data, "cache.jsonl")
+
+
+def _occurrence_ends(docs, pattern):
+    """`(document, index after the occurrence)` of every occurrence of `pattern` in `docs`."""
+    m = len(pattern)
+    return [(d, i + m) for d, doc in enumerate(docs) for i in range(len(doc) - m + 1) if doc[i : i + m] == pattern]
+
+
+def _inf_nkt(docs, context, depth):
+    """B.4's `inf_nkt` as written: continue every occurrence of the longest matched suffix, keep the majority token
+    per position (ties: the smallest id), filter. Returns the tokens and `P_j = freq / |A_j|`."""
+    m = _brute_longest_suffix(docs, context)
+    active = [docs[d][end : end + depth] for d, end in _occurrence_ends(docs, list(context[-m:]))] if m else []
+    tokens, probs = [], []
+    for j in range(depth):
+        active = [c for c in active if len(c) > j]
+        if not active:
+            break
+        counts = {}
+        for c in active:
+            counts[c[j]] = counts.get(c[j], 0) + 1
+        token = min(counts, key=lambda t: (-counts[t], t))
+        tokens.append(token)
+        probs.append(counts[token] / len(active))
+        active = [c for c in active if c[j] == token]
+    return tokens, probs
+
+
+def _sequential_ntd(docs, context, depth):
+    """`depth` sequential greedy ∞-gram calls: the majority next token of the longest matched suffix, appended."""
+    context, tokens = list(context), []
+    for _ in range(depth):
+        m = _brute_longest_suffix(docs, context)
+        nexts = [docs[d][end] for d, end in _occurrence_ends(docs, context[-m:]) if end < len(docs[d])] if m else []
+        if not nexts:
+            break
+        tokens.append(min(set(nexts), key=lambda t: (-nexts.count(t), t)))
+        context.append(tokens[-1])
+    return tokens
+
+
+def test_the_majority_chain_is_inf_nkt_and_its_scores_the_paths_probabilities(tmp_path):
+    """Spec B.4 against brute force on random corpora: the `tree=False` chain (index only, no prior) drafts `inf_nkt`'s
+    tokens, which are those of sequential greedy ∞-gram calls (B.4's equivalence, every occurrence read), and each
+    node scores the fraction of the occurrences that continue with its path: B.4's `P_0 * ... * P_j` where no
+    document ends inside the draft, smaller where one does (an ended continuation stays in the denominator)."""
+    rng = np.random.default_rng(7)
+    config = InfinigramConfig(threshold=0.0, prior=0.0, use_context=False, tree=False, calibrate=False)
+    checked = 0
+    for trial in range(8):
+        vocab = int(rng.integers(2, 5))
+        docs = [rng.integers(0, vocab, size=rng.integers(1, 20)).tolist() for _ in range(rng.integers(2, 10))]
+        name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(vocab))
+        build_index(docs, tmp_path / str(trial), name, vocab_hash, vocab_size, progress=False)
+        drafter = InfinigramDrafter(tmp_path / str(trial), config=config)
+        for _ in range(20):
+            context, depth = rng.integers(0, vocab, size=rng.integers(1, 7)).tolist(), int(rng.integers(1, 7))
+            m = _brute_longest_suffix(docs, context)
+            conts = [docs[d][end : end + depth] for d, end in _occurrence_ends(docs, context[-m:])] if m else []
+            if not any(conts):  # nothing continued: the drafter falls back to a shorter suffix (tested above)
+                continue
+            tokens, probs = _inf_nkt(docs, context, depth)
+            got_tokens, parents, scores = drafter.draft_row(np.array(context), depth, 16)
+            assert got_tokens == tokens == _sequential_ntd(docs, context, depth), (docs, context)
+            assert parents == list(range(-1, len(tokens) - 1))
+            continued = [c for c in conts if c]
+            expected = [
+                sum(c[: j + 1] == tokens[: j + 1] for c in continued) / len(continued) for j in range(len(tokens))
+            ]
+            np.testing.assert_allclose(scores, expected)
+            if all(len(c) >= len(tokens) for c in continued):  # no document ends inside the draft
+                np.testing.assert_allclose(scores, np.cumprod(probs))
+            checked += 1
+    assert checked > 60
+
+
+def test_the_threshold_cuts_the_chain_at_the_paths_probability(tmp_path):
+    """B.11 item 5: the confidence threshold applies to the probability of the whole path, not to B.5's per-position
+    `P_j`; and a continuation that ends its document counts against the path."""
+    name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(10))
+    config = InfinigramConfig(threshold=0.55, prior=0.0, use_context=False, tree=False, calibrate=False)
+    # after 1: token 2 in 5 of 6 occurrences (P_0 = 0.83), then 3 in 3 of those 5 (P_1 = 0.6, path 0.5)
+    docs = [[1, 2, 3]] * 3 + [[1, 2, 4]] * 2 + [[1, 5]]
+    build_index(docs, tmp_path / "a", name, vocab_hash, vocab_size, progress=False)
+    assert _inf_nkt(docs, [1], 2) == ([2, 3], [5 / 6, 0.6])  # B.5 would draft both at 0.55
+    tokens, parents, scores = InfinigramDrafter(tmp_path / "a", config=config).draft_row(np.array([1]), 2, 8)
+    assert (tokens, parents) == ([2], [-1]) and scores == pytest.approx([5 / 6])
+    # after 7: always 8 (P_0 = 1), then 9 in both continuations that go on (P_1 = 1), but half the documents end
+    docs = [[7, 8, 9]] * 2 + [[7, 8]] * 2
+    build_index(docs, tmp_path / "b", name, vocab_hash, vocab_size, progress=False)
+    assert _inf_nkt(docs, [7], 2) == ([8, 9], [1.0, 1.0])
+    assert InfinigramDrafter(tmp_path / "b", config=config).draft_row(np.array([7]), 2, 8) == ([8], [-1], [1.0])

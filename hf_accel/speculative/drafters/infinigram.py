@@ -12,13 +12,17 @@ Spec: `specs/000_care_infinigram.md`, Part B. One `propose` call per step and ro
    length. Group `g` (match length `l_g`, `n_g` occurrences) votes `V_g = exp(alpha * min(l_g, match_cap)) *
    n_g / (n_g + support_prior)` (times `context_weight` for the context), split evenly among its occurrences, and
    the continuations are merged into a trie. A node's score is `S = votes through it / (sum_g V_g + prior)`: with
-   one group and no prior it is the ∞-gram's empirical probability of the path (B.4's `P_j`, chained); the prior
-   turns short, rare matches into low confidence (acceptance rises with match length and frequency, Fig. 4.1).
+   one group and no prior it is the ∞-gram's empirical probability of the whole path, the fraction of the
+   occurrences whose continuation starts with it. That is B.4's `P_0 * ... * P_j` except where documents end inside
+   the draft: B.4 drops an ended continuation from `|A_j|`, here it stays in the denominator (the document's end, the
+   answer's EOS, is an outcome the draft does not match). The prior turns short, rare matches into low confidence
+   (acceptance rises with match length and frequency, Fig. 4.1).
    Longer matches dominate, shorter ones still add alternatives (issue 6: trees over several matches beat the
    single longest-match chain).
 4. **Confidence-sized tree.** Candidate nodes are those with `S >= threshold` (the spec's confidence truncation,
-   B.11 item 5, applied per node), by decreasing score, at most `max_nodes` (`tree=False` keeps only the majority
-   path: the spec's chain). How many are drafted is chosen per pass by [`choose_tree_width`]: the width that
+   B.11 item 5, applied per node to the path's probability `S`, not to B.5's per-position `P_j`: a chain of `P_j`
+   0.8, 0.6 stops after one token at `threshold=0.5`, where B.5 drafts both), by decreasing score, at most
+   `max_nodes` (`tree=False` keeps only the majority path: the spec's chain, its tokens B.4's `inf_nkt` ones). How many are drafted is chosen per pass by [`choose_tree_width`]: the width that
    maximises expected tokens (1 + the sum of the nodes' acceptance probabilities, from an online
    [`AcceptanceCalibrator`] of the scores) per unit of pass cost ([`PassCostModel`]: issue 6's CPU costs, refined
    by the measured time of every pass). Width 0 means no draft: a plain decoding pass, which on CPU is ~30%
@@ -47,7 +51,8 @@ class InfinigramConfig:
     Args:
         max_depth (`int`): deepest draft node (the spec's 16-token lookahead).
         max_nodes (`int`): draft nodes per row at batch size 1 (a 16-node tree is nearly free on CPU).
-        threshold (`float`): minimum node score (confidence) for a node to be considered at all.
+        threshold (`float`): minimum node score (confidence: the probability of the node's whole path, see the
+            module docstring) for a node to be considered at all.
         verify_cost (`tuple`): `(tokens in the pass, relative cost)` points of the target's pass cost, linearly
             interpolated (and extrapolated past the last point). Defaults: issue 6's CPU measurements of the
             default model (n = 1: 63 ms; 2-16: 82-92 ms; 32: 126 ms; 64: 259 ms).
