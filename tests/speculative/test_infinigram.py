@@ -1410,3 +1410,22 @@ def test_the_threshold_cuts_the_chain_at_the_paths_probability(tmp_path):
     build_index(docs, tmp_path / "b", name, vocab_hash, vocab_size, progress=False)
     assert _inf_nkt(docs, [7], 2) == ([8, 9], [1.0, 1.0])
     assert InfinigramDrafter(tmp_path / "b", config=config).draft_row(np.array([7]), 2, 8) == ([8], [-1], [1.0])
+
+
+def test_the_index_files_are_the_documented_layout_and_queries_read_them_mapped(small_index):
+    """Spec B.2 / issue 6: little-endian 32-bit ids with a separator after each document, the suffix array of the
+    reversed stream (brute-force sorted), the first-token table, the header's fields; queries read the token stream
+    and the suffix array memory-mapped, not loaded."""
+    docs, index = small_index
+    stream = [t for doc in docs for t in [*doc, int(SEPARATOR)]]
+    raw = (index.path / "tokens.u32").read_bytes()
+    assert raw == np.array(stream, dtype="<u4").tobytes() and max(stream[:-1]) > 65535
+    backwards = stream[::-1]
+    expected = sorted(range(len(backwards)), key=lambda r: backwards[r:])  # a shorter suffix sorts first
+    np.testing.assert_array_equal(np.fromfile(index.path / "sa.bin", dtype=index.header.sa_dtype), expected)
+    counts = np.bincount([t for doc in docs for t in doc], minlength=index.header.vocab_size)
+    np.testing.assert_array_equal(np.load(index.path / "first.npy"), np.concatenate([[0], np.cumsum(counts)]))
+    header = json.loads((index.path / "header.json").read_text())
+    assert header["format_version"] == 1 and header["num_tokens"] == len(stream)
+    assert {"tokenizer_name", "vocab_hash", "vocab_size", "num_documents", "sa_dtype"} <= set(header)
+    assert isinstance(index.tokens, np.memmap) and isinstance(index.suffix_array, np.memmap)
