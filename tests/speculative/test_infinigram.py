@@ -1429,3 +1429,26 @@ def test_the_index_files_are_the_documented_layout_and_queries_read_them_mapped(
     assert header["format_version"] == 1 and header["num_tokens"] == len(stream)
     assert {"tokenizer_name", "vocab_hash", "vocab_size", "num_documents", "sa_dtype"} <= set(header)
     assert isinstance(index.tokens, np.memmap) and isinstance(index.suffix_array, np.memmap)
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_a_continuation_exactly_at_the_threshold_is_drafted(tree):
+    """B.5 cuts the draft where `P_j < tau`: a token that continues exactly `tau` of the occurrences is drafted. The
+    votes are split into shares and added back up, and `k` shares of `v / n` made a hair less than `k / n` of the total
+    for some counts and match lengths (3 of 6 at `tau = 0.5`, 6 of 10 at 0.6, 7 of 10 at 0.7 ...): not drafted."""
+    config = InfinigramConfig(prior=0.0, use_context=False, tree=tree, calibrate=False)
+    drafter = InfinigramDrafter(None, config=config)
+    for tau in (0.5, 0.6, 0.7, 0.75, 0.8):
+        config.threshold = tau
+        for n in range(1, 41):
+            k = round(tau * n)
+            if k / n != tau:
+                continue
+            conts = np.array([[1]] * k + [[2]] * (n - k))
+            for length in (1, 2, 3, 5):
+                drafter._match_groups = lambda context, depth, group=(length, False, conts): [group]
+                tokens, _, scores = drafter.draft_row(np.array([0]), 1, 8)
+                assert tokens[:1] == [1] and scores[0] == pytest.approx(tau), (tau, k, n, length)
+                config.threshold = tau + 1e-6  # just above: not drafted
+                assert 1 not in drafter.draft_row(np.array([0]), 1, 8)[0], (tau, k, n, length)
+                config.threshold = tau

@@ -299,10 +299,13 @@ class InfinigramDrafter:
         # of `v / n` do not always add up to `v`, and with no prior a node that every occurrence passes through must
         # score exactly 1 (the ∞-gram's certainty), or `threshold=1` drafts nothing.
         total = cfg.prior + float(np.bincount(np.zeros(len(weights), np.int64), weights=weights)[0])
+        # Other nodes add up to a hair off their share too (3 shares of `v / 6` to 0.49999999999999994 of the total):
+        # a node exactly at the threshold (B.5 drafts `P_j >= tau`) is kept with that much slack.
+        threshold = cfg.threshold * (1 - 1e-9)
         continuations = np.concatenate([conts for _, _, conts in groups])
-        tokens, parents, node_weights = build_weighted_trie(continuations, weights, min_weight=cfg.threshold * total)
+        tokens, parents, node_weights = build_weighted_trie(continuations, weights, min_weight=threshold * total)
         scores = [w / total for w in node_weights]
-        chosen = select_tree_nodes(parents, scores, max_nodes, cfg.threshold, chain=not cfg.tree)
+        chosen = select_tree_nodes(parents, scores, max_nodes, threshold, chain=not cfg.tree)
         # By decreasing score, parents first (a child never scores higher); a chain is already in that order.
         chosen = sorted(chosen, key=lambda n: (-scores[n], n)) if cfg.tree else chosen
         position = {node: i for i, node in enumerate(chosen)}
