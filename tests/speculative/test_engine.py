@@ -85,6 +85,28 @@ def test_greedy_identity_chain_and_tree(tiny_llama, tree, batch_size):
     assert drafter.last_stats is stats
 
 
+def test_per_call_statistics_count_passes_and_tokens_bonus_included(tiny_llama):
+    """Issue 6's per-call record, by hand: every draft of 4 is accepted, so after the prefill's token each pass
+    commits 5 (the bonus token counts, B.11 item 7: a pass without a draft commits 1), and the prefill is a pass."""
+    input_ids, attention_mask = _ragged_batch(3)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 21, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs)
+    drafted = tiny_llama.generate(
+        **kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(reference, 4, corrupt_every=0)
+    )
+    stats = drafted.speculative_stats.to_dict()
+    assert stats["accepted_histogram"] == {"5": 3 * 4} and stats["mean_accepted"] == 5.0
+    assert stats["target_forward_passes"] == 1 + 4 and stats["new_tokens"] == 3 * 21 and stats["draft_nodes"] == 48
+    assert stats["drafter_time_s"] > 0 and stats["total_time_s"] >= stats["verify_time_s"] > 0
+    plain = tiny_llama.generate(
+        **kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(reference, 0, corrupt_every=0)
+    )
+    stats = plain.speculative_stats.to_dict()
+    assert stats["accepted_histogram"] == {"1": 3 * 20} and stats["mean_accepted"] == 1.0
+    assert stats["target_forward_passes"] == 21 and stats["draft_nodes"] == 0
+    assert torch.equal(drafted, reference) and torch.equal(plain, reference)
+
+
 def test_eos_mid_draft_and_rows_finishing_at_different_times():
     model = make_tiny_llama()
     input_ids, attention_mask = _ragged_batch(4, seed=3)
