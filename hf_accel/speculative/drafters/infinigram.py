@@ -211,7 +211,9 @@ class InfinigramDrafter:
     Args:
         index (`InfinigramIndex` or `str`, *optional*): the index, or its directory. `None` drafts from the context
             only.
-        tokenizer (*optional*): the model's tokenizer; an index built with another tokenizer is refused.
+        tokenizer (*optional*): the model's tokenizer, checked against the index's header: an index built with another
+            tokenizer is refused. Without it nothing is checked (the output stays lossless, but a foreign index's
+            drafts are rejected).
         config (`InfinigramConfig`, *optional*): drafting knobs.
 
     Example:
