@@ -224,6 +224,43 @@ def test_the_demo_reports_no_tokens_per_pass_when_no_verification_pass_ran(tmp_p
     assert [row[40 + 7 + 9 + 8 + 9 :][:9].strip() for row in rows] == ["-"] * 3  # the acc/pass column
 
 
+def test_the_demo_converts_with_care_and_reports_kv_bytes_and_perplexity(tmp_path, monkeypatch, capsys):
+    # the demo's second half (`make demo` runs it): CARE's cache beside the original's, and both perplexities
+    import math
+
+    from hf_accel.demo import care_cache_dir
+    from tests.tiny_checkpoints import write_tiny_llama
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
+    model_dir = str(write_tiny_llama(tmp_path / "tiny"))
+    argv = ["demo", "--model", model_dir, "--max-new-tokens", "2", "--kv-keep", "0.5"]
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 0
+    demo = json.loads(capsys.readouterr().out)
+    original, care = demo["compression"]
+    assert [original["model"], care["model"]] == ["original", "CARE kv-keep 0.5"]
+    assert care["kv_bytes_per_token"] == original["kv_bytes_per_token"] / 2  # K and V at half their width
+    assert all(math.isfinite(r["ppl"]) and r["ppl"] > 1 for r in (original, care))
+    assert demo["care_checkpoint"] == str(care_cache_dir(model_dir, 0.5)) and demo["kv_keep"] == 0.5
+    assert demo["perplexity_text"] == {"text": "textwrap.py", "max_tokens": 2048, "seq_len": 512}
+    assert main(argv) == 0  # the table, from the cached conversion
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index(f"KV-cache compression: CARE (checkpoint {demo['care_checkpoint']})")
+    assert [line.split() for line in lines[start + 2 : start + 4]] == [
+        ["original", f"{original['kv_bytes_per_token']:,.0f}", f"{original['ppl']:.2f}"],
+        ["CARE", "kv-keep", "0.5", f"{care['kv_bytes_per_token']:,.0f}", f"{care['ppl']:.2f}"],
+    ]
+    assert lines[start + 4] == "perplexity: Python's textwrap.py, first 2048 tokens, 512-token windows"
+
+
+@pytest.mark.parametrize("kv_keep", ["0", "-0.5", "1.5", "nan"])
+def test_the_demo_refuses_a_kv_keep_outside_0_1_in_one_line(kv_keep, capsys):
+    assert main(["demo", "--kv-keep", kv_keep]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"hf-accel demo: error: --kv-keep must be in (0, 1], got {float(kv_keep)}"
+    ]
+
+
 def test_a_full_disk_is_one_line(monkeypatch, capsys):
     import errno
 
