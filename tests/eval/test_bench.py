@@ -491,3 +491,23 @@ def test_a_demo_whose_rename_loses_to_another_demos_copy_keeps_that_copy(tmp_pat
     care_model, cached = demo._care_model(name, model, make_char_tokenizer(), 0.5)
     assert cached == target and care_model(torch.tensor([[5, 6, 7]])).logits.isfinite().all()
     assert [p.name for p in cached.parent.iterdir()] == [cached.name]
+
+
+def test_a_demo_whose_rename_fails_with_no_other_copy_reports_it_and_leaves_no_staging_folder(tmp_path, monkeypatch):
+    from hf_accel import demo
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
+    name, replace = str(tmp_path / "mine"), os.replace
+    target = demo.care_cache_dir(name, 0.5)
+
+    def refused(source, destination):
+        if os.fspath(destination) != os.fspath(target):
+            return replace(source, destination)
+        raise PermissionError(13, "Permission denied", str(destination))
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        demo._care_model(name, make_tiny_llama(vocab_size=VOCAB_SIZE), make_char_tokenizer(), 0.5)
+    assert list(target.parent.iterdir()) == []
