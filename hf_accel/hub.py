@@ -442,12 +442,16 @@ def _set_constant(source: str, name: str, value: str) -> str:
 
 
 def _published_bytes(path: Path, folder: Path, repo_id: str) -> bytes | Path:
-    """What a repository gets for `path`: the file itself, except that `custom_generate/generate.py` drafts from
-    the repository `repo_id` (it was saved naming its local directory) and a model card saved without a repo id
-    names `repo_id` in its snippets instead of the `<your-namespace>/NAME` placeholder."""
+    """What a repository gets for `path`: the file itself, except that a drafter's `custom_generate/generate.py`
+    drafts from the repository `repo_id` (it was saved naming its local directory; a folder's own decoding code, with
+    no `ARTIFACT = ...` line, is published as it is) and a model card saved without a repo id names `repo_id` in its
+    snippets instead of the `<your-namespace>/NAME` placeholder."""
     name = path.relative_to(folder).as_posix()
     if name == "custom_generate/generate.py":
-        return _set_constant(path.read_text(encoding="utf-8"), "ARTIFACT", repo_id).encode()
+        source = path.read_text(encoding="utf-8")
+        if not re.search(r"^ARTIFACT = ", source, flags=re.MULTILINE):
+            return path
+        return _set_constant(source, "ARTIFACT", repo_id).encode()
     if name == "README.md":
         card = path.read_text(encoding="utf-8")
         published = _PLACEHOLDER_REPO_ID.sub(lambda _: repo_id, card)

@@ -605,6 +605,21 @@ def test_a_git_clone_of_the_repository_is_pushed_without_its_git_folder(tmp_path
     assert sorted(os.listdir(snapshot)) == ["README.md", "model.safetensors"]
 
 
+def test_a_folder_s_own_custom_generate_is_published_as_it_is(tmp_path, monkeypatch):
+    """transformers runs any repository's `custom_generate/generate.py`; one that is no drafter's (no `ARTIFACT = `
+    line to point at the repository) stopped the push and the cache write with "expected one top-level `ARTIFACT =
+    ...` line"."""
+    artifact = tmp_path / "model"
+    write_model_card(artifact, "converted-model", "org/base")
+    source = "def generate(model, *args, **kwargs):\n    return model.generate(*args, **kwargs)\n"
+    (artifact / "custom_generate").mkdir()
+    (artifact / "custom_generate" / "generate.py").write_text(source)
+    files = {op.path_in_repo: op.path_or_fileobj for op in _push_over(artifact, [], monkeypatch)}
+    assert Path(files["custom_generate/generate.py"]).read_text() == source
+    snapshot = populate_hub_cache(artifact, "org/model", cache_dir=tmp_path / "hub")
+    assert (snapshot / "custom_generate" / "generate.py").read_text() == source
+
+
 def test_write_custom_generate_refuses_an_unknown_drafter(tmp_path):
     with pytest.raises(ValueError, match="unknown drafter 'nope'"):
         save_artifact(tmp_path / "a", "drafter-index", "org/base", drafter="nope")
