@@ -173,6 +173,49 @@ def test_push_refuses_a_directory_without_a_card(tmp_path):
         push_to_hub(tmp_path, "me/x", token="unused")
 
 
+def test_push_prints_the_repository_it_pushed_to(tmp_path, monkeypatch, capsys):
+    from huggingface_hub import HfApi, RepoUrl
+
+    calls = []
+    write_model_card(tmp_path / "artifact", "lora-adapter", "org/base")
+    monkeypatch.setattr(
+        HfApi,
+        "create_repo",
+        lambda self, repo_id, **kw: calls.append(kw) or RepoUrl(f"https://huggingface.co/{repo_id}"),
+    )
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: [])
+    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, **kw: calls.append(kw))
+    argv = ["push", str(tmp_path / "artifact"), "--repo-id", "me/adapter", "--token", "hf_unused", "--private"]
+    assert main([*argv, "--message", "first"]) == 0
+    assert capsys.readouterr().out == f"pushed {tmp_path / 'artifact'} to https://huggingface.co/me/adapter\n"
+    assert calls[0]["private"] is True and calls[1]["commit_message"] == "first"
+
+
+def test_a_push_the_hub_refuses_is_one_clear_line(tmp_path, monkeypatch, capsys):
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    def refuse(self, repo_id, **kwargs):
+        response = httpx2.Response(403, request=httpx2.Request("POST", "https://huggingface.co/api/repos/create"))
+        raise HfHubHTTPError("403 Forbidden: no write access.\nCannot access content at: https://x", response=response)
+
+    write_model_card(tmp_path / "artifact", "lora-adapter", "org/base")
+    monkeypatch.setattr(HfApi, "create_repo", refuse)
+    assert main(["push", str(tmp_path / "artifact"), "--repo-id", "me/adapter", "--token", "hf_unused"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "hf-accel push: error: the Hub refused the push to me/adapter: 403 Forbidden: no write access."
+    ]
+
+
+@pytest.mark.parametrize("to_cache", [False, True])
+def test_push_of_a_missing_directory_is_one_line(tmp_path, capsys, to_cache):
+    argv = ["push", str(tmp_path / "missing"), "--repo-id", "me/adapter", "--token", "hf_unused"]
+    assert main([*argv, *(["--to-cache", str(tmp_path / "hub")] if to_cache else [])]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"hf-accel push: error: not a directory: {tmp_path / 'missing'}"]
+    assert not (tmp_path / "hub").exists()
+
+
 @pytest.mark.parametrize("repo_id", ["/x", "x/", "org/na me", "a/b/c", "name"])
 def test_the_cache_writer_refuses_a_repo_id_the_hub_would_refuse(tmp_path, repo_id):
     (tmp_path / "config.json").write_text("{}")
