@@ -937,6 +937,57 @@ def test_remote_code_copied_from_a_read_only_install_is_writable_in_the_artifact
     assert stat.S_IMODE((out / "modeling_x.py").stat().st_mode) == 0o666 & ~umask
 
 
+def test_remote_code_is_copied_once_with_the_modules_it_imports_and_a_missing_one_is_named(tmp_path):
+    from hf_accel.hub import copy_remote_code
+    from tests.conftest import make_tiny_llama
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "shared_x.py").write_text("Y = 2\n")
+    (code / "configuration_x.py").write_text("from .shared_x import Y\n")
+    (code / "modeling_x.py").write_text("from .configuration_x import Y\nfrom .shared_x import Y\n")
+    model = make_tiny_llama()
+    model.config.auto_map = {"AutoConfig": "configuration_x.C", "AutoModelForCausalLM": "modeling_x.M"}
+    out = tmp_path / "artifact"
+    out.mkdir()
+    assert copy_remote_code(model, out, code) == ["configuration_x.py", "shared_x.py", "modeling_x.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["configuration_x.py", "modeling_x.py", "shared_x.py"]
+    model.config.auto_map["AutoTokenizer"] = "tokenization_x.T"
+    (tmp_path / "other").mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        copy_remote_code(model, tmp_path / "other", code)
+    assert len(str(err.value).splitlines()) == 1 and str(err.value).startswith("auto_map names tokenization_x.py")
+    assert str(code) in str(err.value)
+
+
+def test_the_cache_writer_copies_blobs_where_links_cannot_be_made(tmp_path, monkeypatch):
+    # Windows without developer mode: no symlinks; the Hub client copies the blob into the snapshot too
+    def no_links(self, target, target_is_directory=False):
+        raise OSError(1314, "A required privilege is not held by the client")
+
+    artifact = write_tiny_llama(tmp_path / "artifact", seed=0)
+    write_model_card(artifact, "converted-model", "org/base", repo_id="org/tiny")  # published unchanged
+    monkeypatch.setattr(Path, "symlink_to", no_links)
+    snapshot = populate_hub_cache(artifact, "org/tiny", cache_dir=tmp_path / "hub")
+    files = sorted(p.relative_to(artifact) for p in artifact.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(snapshot) for p in snapshot.rglob("*")) == files
+    for name in files:
+        assert not (snapshot / name).is_symlink() and (snapshot / name).read_bytes() == (artifact / name).read_bytes()
+
+
+def test_a_card_takes_evaluation_results_as_eval_result_objects(tmp_path):
+    from huggingface_hub import EvalResult
+
+    result = EvalResult(
+        task_type="text-generation", dataset_type="wikitext", dataset_name="wikitext", metric_type="perplexity",
+        metric_value=9.87, dataset_split="test",
+    )  # fmt: skip
+    card = write_model_card(tmp_path / "m", "converted-model", "org/base", eval_results=[result, PERPLEXITY])
+    assert card.data.eval_results == [result, EvalResult(task_type="text-generation", dataset_type="tinyshakespeare",
+                                                         **PERPLEXITY)]  # fmt: skip
+    assert "| perplexity | wikitext (test) | 9.87 |" in (tmp_path / "m" / "README.md").read_text()
+
+
 def test_push_to_cache_prints_a_setting_that_works_from_any_directory(tmp_path, monkeypatch, capsys):
     """`--to-cache "my cache"` printed `HF_HUB_CACHE=my cache`: pasted into a shell it runs a command `cache`, and a
     relative cache only works from the directory the push ran in."""

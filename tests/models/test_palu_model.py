@@ -375,6 +375,16 @@ def test_save_artifact_of_an_in_process_model_writes_self_contained_kernels(palu
     assert "# ---- from hf_accel/kernels/quant.py ----" in text
 
 
+def test_copy_remote_code_of_an_in_process_model_writes_self_contained_kernels(palu, tmp_path):
+    # without save_pretrained first (which writes them itself), copy_remote_code meets the package's shim
+    from hf_accel.hub import copy_remote_code
+
+    copied = copy_remote_code(palu, tmp_path)
+    assert sorted(copied) == ["configuration_palu.py", "modeling_palu.py", "palu_kernels.py"]
+    text = (tmp_path / "palu_kernels.py").read_text()
+    assert "# ---- from hf_accel/kernels/quant.py ----" in text  # not the shim that imports hf_accel
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("quant_bits", [0, 3])
 def test_output_attentions_returns_the_attention_weights(tokenizer, quant_bits):
