@@ -42,6 +42,19 @@ def test_a_device_this_machine_lacks_is_refused_by_name(capsys):
     assert "'cuda:1': no cuda device is available on this machine" in capsys.readouterr().err
 
 
+def test_a_device_index_past_the_machine_s_devices_is_refused_by_name(monkeypatch, capsys):
+    from hf_accel.cli import device_name
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # two CUDA devices, as the parser sees them
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [device_name(d) for d in ("cuda", "cuda:0", "cuda:1")] == ["cuda", "cuda:0", "cuda:1"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "ppl", "--text", "t.txt", "--device", "cuda:2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'cuda:2': this machine has 2 cuda device(s)" in err[0]
+
+
 def _ppl(model_dir, text, capsys, *options):
     capsys.readouterr()
     assert (

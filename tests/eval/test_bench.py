@@ -275,6 +275,23 @@ def test_a_full_disk_is_one_line(monkeypatch, capsys):
     assert err == ["hf-accel eval: error: [Errno 28] No space left on device"]
 
 
+def test_an_interrupted_command_exits_130_in_one_line_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    import hf_accel.eval.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    def bug(args):
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(hf_accel.eval.cli, "_run_ppl", interrupted)
+    assert main(["eval", "ppl", "--text", "x.txt"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["interrupted"]
+    monkeypatch.setattr(hf_accel.eval.cli, "_run_ppl", bug)
+    with pytest.raises(RuntimeError, match="a bug of ours"):  # not an exit code that hides where it came from
+        main(["eval", "ppl", "--text", "x.txt"])
+
+
 def test_bench_table_columns_fit_long_method_names():
     from hf_accel.eval.cli import format_bench_table
 
