@@ -115,3 +115,69 @@ def test_swapped_in_files_get_the_umask_s_permissions_not_private_ones(tmp_path,
     expected = {".": 0o755, "model.safetensors": 0o644, "run.sh": 0o755, "sub": 0o755, "sub/a.json": 0o644}
     expected["modeling_x.py"] = 0o644
     assert modes == expected
+
+
+@pytest.mark.parametrize("no_lock", ["no fcntl (Windows)", "flock refused (a network mount)"])
+def test_a_swap_without_a_lock_still_swaps(tmp_path, monkeypatch, no_lock):
+    import sys
+
+    def refused(fd, operation):
+        raise OSError(37, "No locks available")
+
+    if no_lock.startswith("no fcntl"):
+        monkeypatch.setitem(sys.modules, "fcntl", None)  # `import fcntl` raises ImportError
+    else:
+        monkeypatch.setattr(fcntl, "flock", refused)
+    _write_index(tmp_path / "index")
+    _write_checkpoint(tmp_path / "care")
+    assert _visible(tmp_path / "index") == ["header.json", "sa.bin"]
+    assert _visible(tmp_path / "care") == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["care", "index"]  # no scratch left beside them
+    assert sorted(os.listdir(tmp_path / "index")) == ["header.json", "sa.bin"]
+
+
+def test_scratch_of_another_user_s_running_process_is_kept(tmp_path, monkeypatch):
+    # os.kill(pid, 0) on another user's process raises PermissionError: it is running, its scratch is in use
+    def not_yours(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    host = socket.gethostname().replace("-", "_")
+    theirs = tmp_path / f".care-tmp-4242@{host}-abc"
+    theirs.mkdir()
+    monkeypatch.setattr(os, "kill", not_yours)
+    _write_checkpoint(tmp_path / "care")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["care", theirs.name])
+
+
+def test_a_failed_swap_keeps_the_directories_it_created_once_files_are_in_them(tmp_path, monkeypatch):
+    # two entries moved in, the third refused (a full disk): the moved files stay, with the folders that hold them
+    replace = os.replace
+
+    def full_after_two(source, destination):
+        if len(moved) == 2:
+            raise OSError(28, "No space left on device")
+        moved.append(os.path.basename(destination))
+        return replace(source, destination)
+
+    moved = []
+    monkeypatch.setattr(os, "replace", full_after_two)
+    out = tmp_path / "new" / "index"
+    with pytest.raises(OSError, match="No space left"), staged_files(out, last=("header.json",)) as tmp:
+        for name in ("a.bin", "b.bin", "header.json"):
+            (tmp / name).write_bytes(b"x")
+    assert sorted(os.listdir(out)) == ["a.bin", "b.bin"]  # no staging folder left, no header beside them
+
+
+def test_links_in_a_swapped_directory_are_left_as_they_are(tmp_path):
+    # chmod follows a link: a file elsewhere (a blob of another cache) changed mode, and a dangling link failed
+    import stat
+
+    elsewhere = tmp_path / "private.bin"
+    elsewhere.write_bytes(b"x")
+    elsewhere.chmod(0o600)
+    with staged_files(tmp_path / "out") as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "link.bin").symlink_to(elsewhere)
+        (tmp / "sub" / "dangling.bin").symlink_to(tmp_path / "gone.bin")
+    assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o600
+    assert os.readlink(tmp_path / "out" / "sub" / "dangling.bin") == str(tmp_path / "gone.bin")
