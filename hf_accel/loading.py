@@ -162,7 +162,7 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, dt
         >>> model, tokenizer = load_model_and_tokenizer("smollm2-135m")
         ```
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     name_or_path = os.fspath(name_or_path)
     path = resolve_model(name_or_path)
@@ -170,7 +170,7 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, dt
     if not kwargs.get("trust_remote_code"):
         _check_no_remote_code(name_or_path, path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
+        tokenizer = _auto_tokenizer(name_or_path, path, kwargs.get("trust_remote_code", False))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as err:
         raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(err).splitlines()[0]}") from err
@@ -178,6 +178,17 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, dt
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+def _auto_tokenizer(name: str, path: str, trust_remote_code: bool):
+    """`AutoTokenizer.from_pretrained(path)`, its `ValueError` in one line naming `name`: a model directory without
+    tokenizer files gets five lines about tokenizer backends."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        raise ModelNotFoundError(f"cannot load the tokenizer of {name!r}: {' '.join(str(err).split())}") from err
 
 
 def check_model_dir(name: str, path: str) -> None:
@@ -308,10 +319,8 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL, trust_remote_code: bool = 
     Raises:
         [`ModelNotFoundError`] in one line when it cannot be loaded.
     """
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(resolve_model(name_or_path), trust_remote_code=trust_remote_code)
+        return _auto_tokenizer(name_or_path, resolve_model(name_or_path), trust_remote_code)
     except OSError as err:
         raise ModelNotFoundError(f"cannot load the tokenizer of {name_or_path!r}: {str(err).splitlines()[0]}") from err
 

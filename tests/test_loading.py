@@ -92,6 +92,25 @@ def test_a_directory_without_a_model_is_one_line_and_a_tokenizer_directory_serve
         load_model_and_tokenizer(str(tmp_path / "tokenizer"))
 
 
+def test_a_model_directory_without_tokenizer_files_is_one_line(tmp_path, capsys):
+    # transformers' ValueError about tokenizer backends is five lines, and named no directory
+    from hf_accel.cli import main
+    from hf_accel.loading import load_tokenizer
+
+    model_dir = write_tiny_llama(tmp_path / "tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).unlink()
+    for load in (load_model_and_tokenizer, load_tokenizer):
+        with pytest.raises(ModelNotFoundError) as err:
+            load(str(model_dir))
+        assert len(str(err.value).splitlines()) == 1
+        assert str(err.value).startswith(f"cannot load the tokenizer of {str(model_dir)!r}: ")
+    (tmp_path / "t.txt").write_text("hello world " * 20)
+    capsys.readouterr()
+    assert main(["eval", "ppl", "--model", str(model_dir), "--text", str(tmp_path / "t.txt")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 def test_a_model_directory_under_the_home_directory_loads_by_a_tilde_path(tmp_path, monkeypatch):
     """`~/...` is a path (as for `--out` and index directories), not 'not a directory'."""
     from hf_accel.loading import load_tokenizer
