@@ -1,5 +1,7 @@
+import json
 import shutil
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,12 +178,16 @@ def test_the_default_model_is_converted_once_and_a_killed_conversions_folder_rem
     lock = FileLock(models / ".smollm2-135m.lock")
     lock.acquire()
     result = []
-    waiter = threading.Thread(target=lambda: result.append(resolve_model("smollm2-135m")))
+    # past resolve_model's own check (the other process had not finished then), to the lock: always the waiting path
+    waiter = threading.Thread(
+        target=lambda: result.append(loading._convert_default_model_once(models / "smollm2-135m") or 1)
+    )
     waiter.start()
     fake_convert(None, models / "smollm2-135m")
     lock.release()
     waiter.join()
-    assert result == [str(models / "smollm2-135m")] and len(conversions) == 1 and stale.is_dir()
+    assert result == [1] and len(conversions) == 1 and stale.is_dir()
+    assert resolve_model("smollm2-135m") == str(models / "smollm2-135m") and len(conversions) == 1
     # a conversion that runs removes what a killed one left
     shutil.rmtree(models / "smollm2-135m")
     assert resolve_model("smollm2-135m") == str(models / "smollm2-135m")
@@ -300,3 +306,39 @@ def test_the_hub_is_reachable_when_its_host_resolves(monkeypatch):
     asked = []
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: asked.append((host, port)) or [])
     assert hub_unreachable() is False and asked == [(constants.ENDPOINT.split("://")[1].split("/")[0], 443)]
+
+
+@pytest.mark.parametrize("disk", ["ok", "full"])
+def test_the_default_model_is_saved_without_its_gguf_quantizer_or_not_at_all(tmp_path, monkeypatch, disk):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from hf_accel import loading
+    from tests.tiny_checkpoints import sample_logits
+
+    source = write_tiny_llama(tmp_path / "source", seed=0)
+    load_model, load_tokenizer = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
+
+    def from_gguf(path, gguf_file, **kwargs):  # a tiny Llama, loaded as transformers loads a GGUF file
+        assert (path, gguf_file) == (tmp_path, "model.gguf")
+        model = load_model(source, **kwargs)
+        model.config.quantization_config = {"quant_method": "gguf"}
+        return model
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(loading, "_gguf_path", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_gguf)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda path, gguf_file: load_tokenizer(source))
+    if disk == "full":
+        monkeypatch.setattr(LlamaForCausalLM, "save_pretrained", full)
+        with pytest.raises(OSError, match="No space left"):
+            resolve_model("smollm2-135m")
+        assert [p.name for p in (tmp_path / "home" / "models").iterdir()] == [".smollm2-135m.lock"]
+        return
+    out = Path(resolve_model("smollm2-135m"))
+    assert sorted(p.name for p in out.parent.iterdir()) == [".smollm2-135m.lock", "smollm2-135m"]
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    monkeypatch.undo()
+    torch.testing.assert_close(sample_logits(load_model(out)), sample_logits(load_model(source)))
