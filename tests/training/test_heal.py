@@ -68,6 +68,63 @@ def test_pack_token_ids_concatenates_with_separator_and_drops_the_tail():
     assert torch.equal(batch["labels"], batch["input_ids"]) and batch["attention_mask"].all()
 
 
+def _short_text_packed():
+    import datasets
+
+    from hf_accel.training.data import tokenize_and_pack
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    return tokenize_and_pack(datasets.Dataset.from_dict({"text": ["abc"]}), tokenizer, seq_len=8)
+
+
+def _time_budget(minutes):
+    from hf_accel.training.monitor import TimeBudgetCallback
+
+    return TimeBudgetCallback(minutes)
+
+
+def _perplexity_every(steps):
+    from hf_accel.training.monitor import PerplexityCallback
+
+    return PerplexityCallback(None, "text", steps, "history.json")
+
+
+def _kd_weight(beta):
+    from hf_accel.training.losses import compute_healing_loss
+
+    return compute_healing_loss(
+        torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long), beta=beta
+    )
+
+
+def _texts(**sources):
+    from hf_accel.training.data import load_text_dataset
+
+    return load_text_dataset(**sources)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: pack_token_ids([[1, 2, 3]], 1), "seq_len must be at least 2, got 1"),
+        (lambda: PackedBlockCollator()([{"input_ids": [1, 2]}, {"input_ids": [3]}]),
+         "packed blocks must have one length, got lengths [1, 2]"),
+        (_short_text_packed, "the training text is shorter than one block of 8 tokens"),
+        (lambda: _texts(), "give exactly one of a dataset (--dataset_name) or text files (--train_files)"),
+        (lambda: _texts(dataset_name="d", text_files=["t.txt"]),
+         "give exactly one of a dataset (--dataset_name) or text files (--train_files)"),
+        (lambda: _kd_weight(-0.5), "beta must be ≥ 0, got -0.5"),
+        (lambda: _perplexity_every(0), "eval_steps must be positive, got 0"),
+        (lambda: _time_budget(0), "max_minutes must be positive, got 0"),
+    ],
+)  # fmt: skip
+def test_the_training_building_blocks_refuse_bad_values_in_one_line(build, message):
+    with pytest.raises(ValueError) as err:
+        build()
+    assert str(err.value) == message
+
+
 def test_healing_arguments_need_a_teacher_for_distillation(tmp_path):
     with pytest.raises(ValueError, match="teacher"):
         HealingArguments(output_dir=str(tmp_path), train_files=["x.txt"])
