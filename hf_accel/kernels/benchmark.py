@@ -37,10 +37,11 @@ class PaluAttentionBenchConfig:
     iters: int = 50
 
     def __post_init__(self):
-        if self.num_key_value_heads % self.group_size or self.num_heads % self.num_key_value_heads:
+        n_kv, n_heads = self.num_key_value_heads, self.num_heads
+        if min(self.group_size, n_kv) < 1 or n_kv % self.group_size or n_heads % n_kv:
             raise ValueError(
-                f"group_size={self.group_size} must divide num_key_value_heads={self.num_key_value_heads}, which must "
-                f"divide num_heads={self.num_heads}."
+                f"group_size={self.group_size} must be positive and divide num_key_value_heads={n_kv}, which must be "
+                f"positive and divide num_heads={n_heads}."
             )
 
     @property

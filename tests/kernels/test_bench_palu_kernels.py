@@ -3,6 +3,7 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from hf_accel.kernels import benchmark
@@ -72,3 +73,17 @@ def test_timed_runs_start_from_a_flushed_l2_cache(monkeypatch):
     monkeypatch.setattr(benchmark, "_l2_flush_buffer", lambda: FakeBuffer())
     assert benchmark._time_ms(lambda: calls.append("fn"), warmup=2, iters=3) == 1.0
     assert calls == ["fn"] * 2 + ["flush", "start", "fn", "end"] * 3
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{"group_size": 3}, {"num_heads": 12}, {"group_size": 0}, {"num_key_value_heads": 0}],
+    ids=["group-not-dividing", "heads-not-dividing", "zero-group", "zero-kv-heads"],
+)
+def test_a_layout_whose_groups_do_not_tile_the_heads_is_refused_in_one_line(shape):
+    # a zero group size or KV-head count raised ZeroDivisionError ("integer modulo by zero") from the check itself
+    with pytest.raises(ValueError) as error:
+        benchmark.PaluAttentionBenchConfig(**shape)
+    message = str(error.value)
+    assert "must be positive and divide" in message and "\n" not in message
+    assert f"{next(iter(shape))}={next(iter(shape.values()))}" in message
