@@ -105,3 +105,36 @@ def test_statistics_are_averaged_in_place(allocated):
     cal = collect_kv_calibration(model, ids, with_output_grads=True, progress=False)
     returned = cal.moments + cal.abs_means + cal.k_grad_moments + cal.v_grad_moments
     assert {t.data_ptr() for t in returned} <= {t.data_ptr() for t in allocated}
+
+
+@pytest.mark.parametrize("num_samples, seq_len", [(0, 4), (2, 1)])
+def test_windows_need_a_sample_and_two_tokens(num_samples, seq_len):
+    from hf_accel.compress.calibration import chunk_token_ids
+
+    with pytest.raises(ValueError, match=rf"^need num_samples >= 1 and seq_len >= 2, got {num_samples} x {seq_len}$"):
+        chunk_token_ids(list(range(100)), num_samples, seq_len)
+
+
+@pytest.mark.parametrize("with_output_grads", [False, True])
+def test_a_calibration_of_padding_only_is_refused(with_output_grads):
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"^calibration saw no tokens \(all padding\?\)$"):
+        collect_kv_calibration(
+            make_tiny_llama(), ids, torch.zeros_like(ids), with_output_grads=with_output_grads, progress=False
+        )
+
+
+def test_a_model_without_decoder_layers_is_refused_in_one_line():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=97, bos_token_id=1, eos_token_id=2))
+    with pytest.raises(ValueError, match=r"^GPT2LMHeadModel has no `model.layers\[i\].self_attn`: not a supported"):
+        collect_kv_calibration(model, torch.randint(3, 97, (1, 6)), progress=False)
+
+
+@pytest.mark.parametrize("text, text_samples", [(None, 4), ("some text", 0)])
+def test_mixed_calibration_without_text_or_samples_is_refused(text, text_samples):
+    from hf_accel.compress.calibration import mixed_calibration_ids
+
+    with pytest.raises(ValueError, match="^no calibration data: give text samples or generated samples$"):
+        mixed_calibration_ids(make_tiny_llama(), None, text, text_samples, generated_samples=0, seq_len=8)
