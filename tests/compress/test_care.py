@@ -490,6 +490,9 @@ def test_allocation_returns_k_then_v_and_honours_the_rank_floor():
     assert allocate_ranks(factors, 0.5, "care") == ([3], [1])
     # a floor of half the largest rank: V keeps 2, K takes what is left
     assert allocate_ranks(factors, 0.5, "care", rank_floor_frac=0.5) == ([2], [2])
+    # the caller's gains replace σ²: here they favour V
+    gains = [torch.tensor([1.0, 0.5, 0.2, 0.1]), torch.tensor([9.0, 8.0, 7.0, 6.0])]
+    assert allocate_ranks(factors, 0.5, "care", gains=gains) == ([1], [3])
 
 
 def test_bench_care_script_refuses_a_kv_keep_outside_the_budget_range_when_parsing(capsys):
@@ -748,3 +751,45 @@ def test_a_calibration_made_by_the_conversion_is_freed_before_the_converted_mode
     result = run_care_conversion(model, make_char_tokenizer(), config, None, False, num_samples=2, seq_len=8)
     assert made and not alive
     assert result.calibration == {"source": "generated", "num_samples": 2, "seq_len": 8, "seed": 0, "tokens": 16}
+
+
+def test_method_care_refuses_a_calibration_without_gradient_moments():
+    model = make_tiny("llama")
+    calibration = tiny_calibration(model, with_output_grads=False)
+    with pytest.raises(
+        ValueError, match="^method 'care' needs output-gradient moments: calibrate with with_output_gr"
+    ):
+        convert_care(model, kv_keep=0.5, method="care", calibration=calibration, progress=False)
+    assert convert_care(model, kv_keep=0.5, method="care-u", calibration=calibration, progress=False)  # others can
+
+
+def test_calibrating_without_a_tokenizer_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="^a tokenizer is needed to build calibration data$"):
+        convert_care(make_tiny("llama"), None, kv_keep=0.5, method="care-u", progress=False)
+
+
+def test_factors_past_the_checkpoint_dtype_s_range_are_refused_naming_the_weight():
+    """A float16 projection whose plain-SVD factor `U Σ` exceeds 65504 gives inf weights: refused, naming them."""
+    model = make_tiny("llama").to(torch.float16)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.fill_(6e4)  # rank one: U Σ = 6e4 · √16 = 2.4e5 per entry
+    with pytest.raises(
+        ValueError, match=r"^CARE conversion produced non-finite values in model\.layers\.1\.self_attn\.k_"
+    ):
+        convert_care(model, kv_keep=0.5, method="svd", progress=False)
+
+
+def test_a_checkpoint_without_a_hub_id_or_tokenizer_holds_the_model_alone(tmp_path):
+    result = run_care_conversion(
+        make_tiny("llama"), config=CareConversionConfig(kv_keep=0.5, method="svd"), progress=False
+    )
+    out = save_care_model(result, None, tmp_path / "care", base_model=None)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "care_ranks.json",
+        "care_ranks.png",
+        "config.json",
+        "configuration_care.py",
+        "generation_config.json",
+        "model.safetensors",
+        "modeling_care.py",
+    ]  # no card, no tokenizer files
