@@ -75,3 +75,26 @@ def test_floor_is_fixed_before_the_others_share_the_rest():
     # shares 18.0, 1.8, 0.18 of 20: the last target is raised to its floor of 1, the other two split the 19 left
     # 100:10 (17.27, 1.73), and the leftover unit goes to the larger remainder
     assert allocate_fisher_ranks([100.0, 10.0, 1.0], caps=[32] * 3, budget=20) == [17, 2, 1]
+
+
+def test_a_share_over_its_cap_by_rounding_alone_is_fixed_at_the_cap():
+    # 5 · 0.49 / 0.49 rounds to 5.000000000000001: the only target is capped, leaving none to share the rest
+    assert allocate_fisher_ranks([0.49], caps=[5], budget=5) == [5]
+    # every target clipped, one to its floor and two to their caps, a share of 6 rounding over its cap of 6
+    assert allocate_fisher_ranks([0.0, 0.1, 0.2], caps=[2, 2, 6], budget=9) == [1, 2, 6]
+
+
+@pytest.mark.parametrize(
+    "scores, caps, multiple, message",
+    [
+        ([], [], 1, "same non-zero length, got 0, 0, 0"),
+        ([1.0, 1.0], [8], 1, "same non-zero length, got 2, 1, 2"),
+        ([1.0, 1.0], [8, 8], [1, 1, 1], "same non-zero length, got 2, 2, 3"),
+        ([1.0, 1.0], [8, 12], 8, r"positive multiple of its rank multiple, got caps \[8, 12\] and \[8, 8\]"),
+        ([1.0, 1.0], [8, 8], 0, r"positive multiple of its rank multiple, got caps \[8, 8\] and \[0, 0\]"),
+        ([1.0, 1.0], [8, 8], [2, 4], "different rank multiples are not supported; give one multiple for all"),
+    ],
+)
+def test_mismatched_lengths_caps_and_multiples_are_refused_in_one_line(scores, caps, multiple, message):
+    with pytest.raises(ValueError, match=message):
+        allocate_fisher_ranks(scores, caps, budget=8, multiple=multiple)
