@@ -102,16 +102,13 @@ def allocate_fisher_ranks(
     # Largest remainder first; only targets below their cap can take one more unit
     order = sorted(range(n), key=lambda i: (-(shares[i] - ranks[i]), i))
     deficit = budget_units - sum(ranks)
+    # never negative: every share is at least its floor of 1, so each rank is at most its share (+1e-9), and the
+    # shares sum to the budget
     while deficit > 0:  # feasible budgets always leave room below some cap
         for i in order:
             if deficit > 0 and ranks[i] < cap_units[i]:
                 ranks[i] += 1
                 deficit -= 1
-    while deficit < 0:  # only if clipping over-fixed: take back from the smallest remainders
-        for i in reversed(order):
-            if deficit < 0 and ranks[i] > 1:
-                ranks[i] -= 1
-                deficit += 1
     return [r * unit for r in ranks]
 
 
