@@ -50,6 +50,8 @@ def test_group_kv_weight_layout():
     assert torch.equal(group_kv_weight(weight, 4, 2, 1)[3], weight[:, 6:8])  # M-LRD: one head per group
     with pytest.raises(ValueError, match="must divide"):
         group_kv_weight(weight, 4, 2, 3)
+    with pytest.raises(ValueError, match=r"^weight \(3, 8\) is not \[in, 4·3\]$"):  # head_dim 3: 12 columns
+        group_kv_weight(weight, 4, 3, 2)
 
 
 def test_fold_values_into_o_proj_matches_per_head_attention():
@@ -205,6 +207,7 @@ def test_numpy_integers_are_taken_as_ints_and_bools_or_floats_refused():
         ({"quant_group_size": -1}, "quant_group_size must be a non-negative integer"),
         ({"calib_seq_len": 1}, "calib_seq_len must be an integer ≥ 2, got 1"),
         ({"ranks": "fisher", "fisher_samples": 0}, "fisher_samples must be a positive integer"),
+        ({"ranks": "fishr"}, "^unknown rank allocation 'fishr'; choose one of uniform, fisher, kfac$"),
     ]:
         with pytest.raises(ValueError, match=message):
             PaluConversionConfig(**bad)
@@ -227,6 +230,26 @@ def test_default_group_size_divides_the_kv_heads(model, tokenizer):
     assert [default_group_size(n) for n in (1, 2, 3, 4, 5, 6, 8, 32)] == [1, 2, 3, 4, 1, 3, 4, 4]
     palu, info = convert_palu(model, tokenizer, kv_keep=0.5, ranks="uniform", calibration_text=CALIB_TEXT, **FAST)
     assert palu.config.palu_group_size == 4 == info["settings"]["group_size"]  # TINY has 4 KV heads
+
+
+@pytest.mark.parametrize(
+    "family, overrides, message",
+    [
+        ("qwen2", {}, "^Palu supports the llama model family, got 'qwen2'$"),
+        ("llama", {"attention_bias": True}, r"^Palu does not support attention biases \(attention_bias=True\)$"),
+    ],
+)
+def test_a_model_outside_the_llama_family_or_with_attention_biases_is_refused(
+    tokenizer, family, overrides, message, monkeypatch
+):
+    import hf_accel.compress.palu as palu_module
+    from tests.compress.care_helpers import make_tiny
+
+    monkeypatch.setattr(palu_module, "collect_kv_calibration", lambda *a, **k: pytest.fail("calibrated"))
+    with pytest.raises(ValueError, match=message):
+        convert_palu(
+            make_tiny(family, **TINY, **overrides), tokenizer, kv_keep=0.5, calibration_text=CALIB_TEXT, **FAST
+        )
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])

@@ -301,6 +301,12 @@ def test_save_palu_without_a_hub_id_writes_a_loadable_checkpoint_and_no_card(pal
     ids = _ids(2, 9)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, palu(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    # and without a tokenizer, the checkpoint alone
+    bare = save_palu(palu, None, tmp_path / "bare", info, base_model=None)
+    assert {p.name for p in bare.iterdir()} == {p.name for p in path.iterdir()} - {
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
 
 
 def test_static_cache_is_refused_on_float_latents(palu):
