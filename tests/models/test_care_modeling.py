@@ -289,6 +289,23 @@ def test_save_pretrained_of_an_in_process_conversion_is_self_contained(tmp_path)
     assert _run_offline(code, tmp_path).endswith("CareQwen3ForCausalLM")
 
 
+@pytest.mark.parametrize(
+    "ranks, message",
+    [
+        ({"care_k_ranks": [4, 4]}, r"^care_k_ranks must list 1 ranks in \[1, 16\], got \[4, 4\]$"),
+        ({"care_v_ranks": [17]}, r"^care_v_ranks must list 1 ranks in \[1, 16\], got \[17\]$"),
+        ({"care_k_ranks": [0]}, r"^care_k_ranks must list 1 ranks in \[1, 16\], got \[0\]$"),
+    ],
+)
+def test_a_config_with_ranks_that_do_not_fit_is_refused_in_one_line(ranks, message):
+    from hf_accel.models.configuration_care import CareLlamaConfig
+
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert CareLlamaConfig(**shape, care_k_ranks=[16], care_v_ranks=[1])  # two KV heads of 8: ranks up to 16
+    with pytest.raises(ValueError, match=message):
+        CareLlamaConfig(**shape, **ranks)
+
+
 def test_a_config_without_ranks_is_refused_in_one_line():
     from hf_accel.models.configuration_care import CareLlamaConfig
     from hf_accel.models.modeling_care import CareLlamaForCausalLM

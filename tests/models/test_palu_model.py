@@ -684,6 +684,14 @@ def test_triton_backend_in_half_precision_is_as_accurate_as_eager(palu, dtype):
         ({"palu_quant_group_size": 5}, "palu_quant_group_size must be 0"),  # does not divide the ranks of 8
         ({"palu_quant_group_size": -1}, "palu_quant_group_size must be 0"),
         ({"palu_residual_length": -3}, "palu_residual_length must be a non-negative"),
+        ({"palu_quant_bits": 5}, "^palu_quant_bits must be 0, 2, 3 or 4, got 5$"),
+        (
+            {"palu_kernel_backend": "cuda"},
+            r"^palu_kernel_backend must be one of \('eager', 'triton', 'auto'\), got 'cuda'$",
+        ),
+        ({"palu_group_size": 3}, "^palu_group_size must divide num_key_value_heads=2, got 3$"),
+        ({"palu_k_ranks": [8, 8]}, r"^palu_k_ranks must list 1 group ranks in \[1, 8\], got \[8, 8\]$"),
+        ({"palu_v_ranks": [9]}, r"^palu_v_ranks must list 1 group ranks in \[1, 8\], got \[9\]$"),
     ],
 )
 def test_a_config_with_bad_quantization_fields_is_refused_at_load(fields, message):
@@ -693,7 +701,7 @@ def test_a_config_with_bad_quantization_fields_is_refused_at_load(fields, messag
     ranks = {"palu_k_ranks": [8], "palu_v_ranks": [8], "palu_quant_bits": 4}
     assert PaluLlamaConfig(**shape, **ranks, palu_quant_group_size=4, palu_residual_length=2)  # these are fine
     with pytest.raises(ValueError, match=message):
-        PaluLlamaConfig(**shape, **ranks, **fields)
+        PaluLlamaConfig(**shape, **{**ranks, **fields})
 
 
 def test_auto_model_loads_the_bare_decoder_with_latent_attention(palu, tmp_path):
