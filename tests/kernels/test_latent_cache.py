@@ -354,3 +354,49 @@ def test_tokens_appended_without_positions_are_read_from_codes():
     torch.testing.assert_close(layer.key_scores(query, up_proj, positions, inv_freq), expected, atol=1e-5, rtol=1e-5)
     probs = torch.rand(B, G, 1, 3, generator=gen).softmax(-1)
     torch.testing.assert_close(layer.attend_values(probs, positions), probs @ _qdq(v), atol=1e-5, rtol=1e-5)
+
+
+def test_an_empty_layer_holds_nothing_and_its_row_operations_are_no_ops():
+    layer = PaluQuantizedLayer(bits=3, residual_length=2)
+    layer.batch_select_indices(torch.tensor([0]))
+    layer.reorder_cache(torch.tensor([0]))
+    layer.batch_repeat_interleave(2)
+    layer.select_positions(torch.zeros(1, 0, dtype=torch.long))
+    layer.offload()
+    layer.prefetch()
+    assert not layer.is_initialized and layer.quantized_keys is None
+    assert layer.get_seq_length() == 0 and layer.window_length == 0 and layer.get_cache_bytes() == 0
+    assert PaluQuantizedCache(bits=3).get_cache_bytes() == 0
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_reset_empties_the_layer_for_a_new_sequence(window):
+    layer, ref = PaluQuantizedLayer(bits=3, residual_length=window), _Reference(window)
+    layer.update(*_latents(5, 0))
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.get_cache_bytes() == 0 and layer.quantized_values is None
+    layer.update(*_latents(3, 1))
+    ref.append(*_latents(3, 1))
+    _check(layer, ref)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_offload_and_prefetch_on_the_cpu_keep_the_states(window):
+    layer = PaluQuantizedLayer(bits=3, residual_length=window)
+    layer.update(*_latents(5, 0))
+    keys, values = layer.get_states()
+    layer.offload()
+    layer.prefetch()
+    torch.testing.assert_close(layer.get_states(), (keys, values), atol=0, rtol=0)
+
+
+def test_selecting_no_position_empties_a_layer_with_a_window():
+    layer = PaluQuantizedLayer(bits=3, residual_length=3)
+    layer.update(*_latents(5, 0))
+    layer.select_positions(torch.zeros(B, 0, dtype=torch.long))
+    assert layer.get_seq_length() == 0 and layer.window_length == 0
+    assert layer.get_cache_bytes() == 0
+    ref = _Reference(3)
+    layer.update(*_latents(2, 1))
+    ref.append(*_latents(2, 1))
+    _check(layer, ref)
