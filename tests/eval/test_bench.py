@@ -178,6 +178,19 @@ def test_measured_cache_bytes_of_the_default_model(default_model):
     assert measure_cache_bytes_per_token(model, torch.arange(10).view(2, 5)) == 30 * 2 * 3 * 64 * 4
 
 
+@pytest.mark.parametrize("length", [1, 4])
+def test_measured_cache_bytes_of_a_one_token_input_come_from_the_decoding_step_alone(length):
+    from transformers import DynamicCache
+
+    from hf_accel.eval.memory import cache_bytes, measure_cache_bytes_per_token
+    from tests.conftest import make_tiny_llama
+
+    # fp32 GQA cache of the tiny Llama: 2 layers x (K + V) x 2 KV heads x 8 dims x 4 bytes
+    assert measure_cache_bytes_per_token(make_tiny_llama(), torch.arange(3, 3 + 2 * length).view(2, length)) == 256
+    empty_layers = DynamicCache(config=make_tiny_llama().config)  # layers with no tensors yet count nothing
+    assert cache_bytes(empty_layers) == 0
+
+
 def test_a_remote_code_checkpoint_without_trust_remote_code_is_one_line(tmp_path, capsys):
     from tests.tiny_checkpoints import write_tiny_remote_model
 

@@ -716,3 +716,39 @@ def test_auto_model_loads_the_bare_decoder_with_latent_attention(palu, tmp_path)
     ids = _ids(2, 11)
     with torch.no_grad():
         torch.testing.assert_close(bare(input_ids=ids).last_hidden_state, palu.model(input_ids=ids).last_hidden_state)
+
+
+def test_a_quantized_model_fills_a_plain_dynamic_cache_with_its_own_layers(palu):
+    """A `DynamicCache()` without a config builds its layers as they are reached: a quantized model adds its own,
+    which hold and measure what its `PaluQuantizedCache` does; one already holding float entries is refused."""
+    from hf_accel.kernels.cache import PaluQuantizedLayer
+
+    if not palu.config.palu_quant_bits:
+        pytest.skip("float latents are stored in the DynamicCache's own layers")
+    ids, own, plain = _ids(2, 9), make_palu_cache(palu.config), DynamicCache()
+    with torch.no_grad():
+        expected = palu(ids, past_key_values=own, use_cache=True).logits
+        torch.testing.assert_close(palu(ids, past_key_values=plain, use_cache=True).logits, expected, atol=0, rtol=0)
+    assert [type(layer) for layer in plain.layers] == [PaluQuantizedLayer] * palu.config.num_hidden_layers
+    assert cache_bytes(plain) == cache_bytes(own) > 0
+    used = DynamicCache()
+    used.update(torch.zeros(2, 2, 9, 4), torch.zeros(2, 2, 9, 4), layer_idx=0)
+    with pytest.raises(
+        ValueError, match="^This Palu model quantizes its latents but got a cache that already holds fl"
+    ):
+        palu(ids, past_key_values=used, use_cache=True)
+
+
+def test_masked_softmax_reads_no_mask_as_causal_and_a_boolean_mask_as_its_additive_form():
+    from hf_accel.models.modeling_palu import _masked_softmax
+
+    scores = torch.randn(2, 3, 4, 6, generator=torch.Generator().manual_seed(0))  # 4 queries after 2 cached keys
+    keep = torch.arange(6)[None] <= 2 + torch.arange(4)[:, None]  # [q, S]: query i sees keys 0..2 + i
+    additive = torch.zeros(2, 1, 4, 7).masked_fill(~torch.nn.functional.pad(keep, (0, 1)), torch.finfo().min)
+    expected = _masked_softmax(scores, additive, past_len=2)
+    assert expected[:, :, ~keep].eq(0).all() and expected[:, :, keep].gt(0).all()  # future keys get no weight
+    torch.testing.assert_close(_masked_softmax(scores, None, past_len=2), expected, atol=0, rtol=0)
+    boolean = additive == 0  # True = attend, one column wider than the scores as a mask may be
+    torch.testing.assert_close(_masked_softmax(scores, boolean, past_len=2), expected, atol=0, rtol=0)
+    one = scores[..., -1:, :]  # a single query without a mask sees every key
+    torch.testing.assert_close(_masked_softmax(one, None, past_len=5), one.softmax(-1), atol=0, rtol=0)
