@@ -793,3 +793,24 @@ def test_a_checkpoint_without_a_hub_id_or_tokenizer_holds_the_model_alone(tmp_pa
         "model.safetensors",
         "modeling_care.py",
     ]  # no card, no tokenizer files
+
+
+def test_the_care_benchmark_table_by_hand():
+    from hf_accel.eval.care_quality import format_care_table
+
+    report = {
+        "original": {"ppl": {"wiki": 13.2249, "code": 4.5}, "cache_bytes_per_token": 46080.0},
+        "results": [
+            {"kv_keep": 0.5, "method": "care", "ppl": {"wiki": 24.371, "code": 12345.6},
+             "cache_bytes_per_token": 23040.0, "factorization_seconds": 3.14},
+            {"kv_keep": 0.25, "method": "svd", "ppl": {"wiki": float("inf"), "code": float("nan")},
+             "cache_bytes_per_token": 11520.0, "factorization_seconds": 0.5},
+        ],
+    }  # fmt: skip
+    assert format_care_table(report, ["wiki", "code"]).splitlines() == [
+        "| kv-keep | method | ppl wiki | ppl code | KV bytes/token | factorize s |",
+        "|---|---|---|---|---|---|",
+        "| 1.0 | original | 13.22 | 4.50 | 46080 | – |",
+        "| 0.5 | care | 24.37 | 12,346 | 23040 | 3.1 |",
+        "| 0.25 | svd | inf | nan | 11520 | 0.5 |",
+    ]

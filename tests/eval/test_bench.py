@@ -541,3 +541,33 @@ def test_a_demo_whose_rename_fails_with_no_other_copy_reports_it_and_leaves_no_s
     with pytest.raises(PermissionError, match="Permission denied"):
         demo._care_model(name, make_tiny_llama(vocab_size=VOCAB_SIZE), make_char_tokenizer(), 0.5)
     assert list(target.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("method", ["vanilla:x", "pld:5"])
+def test_a_baseline_with_an_argument_is_refused_in_one_line(method):
+    from hf_accel.eval.bench import check_method_names
+
+    name = method.partition(":")[0]
+    with pytest.raises(ValueError, match=rf"^method '{name}' takes no ':' argument, got '{method}' \(pld's window is"):
+        check_method_names(["vanilla", method])
+
+
+def test_a_sampled_benchmark_passes_its_temperature_and_claims_no_identity(monkeypatch):
+    from hf_accel.eval import bench
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    seen = []
+    generate = bench._generate
+    monkeypatch.setattr(
+        bench, "_generate", lambda m, t, p, kwargs, extra: seen.append(kwargs) or generate(m, t, p, kwargs, extra)
+    )
+    model, tokenizer = make_tiny_llama(seed=0, vocab_size=128), make_char_tokenizer()
+    prompts = [BenchPrompt(str(i), "c", text) for i, text in enumerate(["abc", "hello"])]
+    result = bench_generate(model, tokenizer, prompts, ["ngram"], max_new_tokens=4, do_sample=True, temperature=0.5)
+    assert result["do_sample"] is True and result["temperature"] == 0.5
+    assert all(k["do_sample"] and (k["temperature"], k["top_k"], k["top_p"]) == (0.5, 0, 1.0) for k in seen)
+    assert {name: figures["identical"] for name, figures in result["methods"].items()} == {
+        "vanilla": None,
+        "ngram": None,
+    }

