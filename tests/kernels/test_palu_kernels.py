@@ -139,6 +139,12 @@ def test_rope_reference_rejects_bad_shapes():
         get_kernel("rope_key_scores")(query[:, :3], latent, up_proj, positions, inv_freq)
     with pytest.raises(ValueError, match="key_positions"):
         get_kernel("rope_key_scores")(query, latent, up_proj, positions[:, :3], inv_freq)
+    with pytest.raises(
+        ValueError, match=r"^`up_proj` must be \[groups, r=12, kv_heads_per_group \* head_dim=8\] with an even"
+    ):
+        get_kernel("rope_key_scores")(query, latent, up_proj[:, :11], positions, inv_freq)  # rank 11, latents 12
+    with pytest.raises(ValueError, match="with an even head_dim"):
+        get_kernel("rope_key_scores")(query[..., :7], latent, up_proj[..., :14], positions, inv_freq[:3])
 
 
 def _quantized(batch=2, groups=2, seq_len=9, rank=24, bits=3, group_size=None, seed=0):
@@ -155,6 +161,11 @@ def test_dequantize_matmul_reference(weight_batch):
     torch.testing.assert_close(get_kernel("dequantize_matmul")(quantized, weight), expected)
     with pytest.raises(ValueError, match="weight"):
         get_kernel("dequantize_matmul")(quantized, torch.randn(2, 23, 20))
+    flat = quantized.apply(lambda t: t[0])  # [groups, seq_len, ...]: no batch axis
+    with pytest.raises(
+        ValueError, match=r"^Quantized latents must be \[batch, groups, seq_len, \.\.\.\], got \(2, 9, "
+    ):
+        get_kernel("dequantize_matmul")(flat, weight)
 
 
 def test_registry():
@@ -300,6 +311,12 @@ def test_dequantize_attend_reference():
     torch.testing.assert_close(get_kernel("dequantize_attend")(probs, quantized), expected)
     with pytest.raises(ValueError, match="multiple of 2 heads"):
         get_kernel("dequantize_attend")(probs[:, :5], quantized)
+    with pytest.raises(
+        ValueError, match=r"^Expected probs \[batch, num_heads, q_len, S'\] and latents .*got \(6, 2, 7\) and"
+    ):
+        get_kernel("dequantize_attend")(probs[0], quantized)
+    with pytest.raises(ValueError, match=r"got \(2, 6, 2, 7\) and \(2, 9, \d+\)\.$"):
+        get_kernel("dequantize_attend")(probs, quantized.apply(lambda t: t[0]))
 
 
 @require_triton
