@@ -45,26 +45,23 @@ def _proportional_shares(scores: list[float], caps: list[int], floors: list[int]
             fixed.update({i: float(floors[i]) for i in under})
 
 
-def allocate_fisher_ranks(
-    scores: Sequence[float], caps: Sequence[int], budget: int, multiple: int | Sequence[int] = 1
-) -> list[int]:
+def allocate_fisher_ranks(scores: Sequence[float], caps: Sequence[int], budget: int, multiple: int = 1) -> list[int]:
     """
     Ranks proportional to Fisher scores under a global budget, with caps, floors and rounding to a multiple.
 
-    Each target `t` gets `r_t ≈ budget · score_t / Σ score`, clipped to `[multiple_t, cap_t]`; what a capped target
+    Each target `t` gets `r_t ≈ budget · score_t / Σ score`, clipped to `[multiple, cap_t]`; what a capped target
     cannot take is redistributed over the others in proportion to their scores; then every `r_t` is a multiple of
-    `multiple_t` and `Σ r_t == budget` exactly (largest remainders first, ties to the lower index).
+    `multiple` and `Σ r_t == budget` exactly (largest remainders first, ties to the lower index).
 
     Args:
         scores (sequence of `float`): non-negative importance per target (e.g. per layer K, then V).
         caps (sequence of `int`): the largest rank of each target (its full width), a multiple of its `multiple`.
-        budget (`int`): the total rank to hand out, in `[Σ multiple_t, Σ cap_t]`, a multiple of the unit `multiple`
-            when a single multiple is given.
-        multiple (`int` or sequence of `int`, *optional*, defaults to 1): rank granularity per target (for Palu:
-            number of groups × the per-group rounding).
+        budget (`int`): the total rank to hand out, a multiple of `multiple` in `[n · multiple, Σ cap_t]`.
+        multiple (`int`, *optional*, defaults to 1): rank granularity of every target (for Palu: number of groups ×
+            the per-group rounding).
 
     Returns:
-        `list[int]`: ranks, each a multiple of its `multiple_t`, within `[multiple_t, cap_t]`, summing to `budget`.
+        `list[int]`: ranks, each a multiple of `multiple`, within `[multiple, cap_t]`, summing to `budget`.
 
     Example:
 
@@ -77,27 +74,21 @@ def allocate_fisher_ranks(
     ```
     """
     n = len(scores)
-    units = [int(multiple)] * n if isinstance(multiple, int) else [int(m) for m in multiple]
-    if n == 0 or len(caps) != n or len(units) != n:
-        raise ValueError(
-            f"scores, caps and multiples must have the same non-zero length, got {n}, {len(caps)}, {len(units)}"
-        )
+    unit = int(multiple)
+    if n == 0 or len(caps) != n:
+        raise ValueError(f"scores and caps must have the same non-zero length, got {n} and {len(caps)}")
     if any(s < 0 or not math.isfinite(s) for s in scores):
         raise ValueError(f"Fisher scores must be finite and non-negative, got {list(scores)}")
-    if any(u < 1 or c < u or c % u for c, u in zip(caps, units)):
-        raise ValueError(
-            f"every cap must be a positive multiple of its rank multiple, got caps {list(caps)} and {units}"
-        )
-    # Work in units of each target's multiple: a unit of target t is worth units[t] ranks
-    if len(set(units)) != 1:
-        raise ValueError("targets with different rank multiples are not supported; give one multiple for all")
-    unit = units[0]
+    if unit < 1 or any(c < unit or c % unit for c in caps):
+        raise ValueError(f"every cap must be a positive multiple of the rank multiple {unit}, got caps {list(caps)}")
+    # Work in units of `multiple`
     if budget % unit or not n * unit <= budget <= sum(caps):
         raise ValueError(
             f"budget {budget} must be a multiple of {unit} within [{n * unit}, {sum(caps)}] (floors and caps)"
         )
     cap_units, budget_units = [c // unit for c in caps], budget // unit
-    shares = _proportional_shares([float(s) for s in scores], cap_units, [1] * n, budget_units)
+    largest = max(scores)  # scaled to at most 1: the sum of scores near the float range would overflow
+    shares = _proportional_shares([s / largest if largest else 0.0 for s in scores], cap_units, [1] * n, budget_units)
     ranks = [min(cap_units[i], max(1, math.floor(shares[i] + 1e-9))) for i in range(n)]
     # Largest remainder first; only targets below their cap can take one more unit
     order = sorted(range(n), key=lambda i: (-(shares[i] - ranks[i]), i))
