@@ -101,7 +101,8 @@ def load_converted_state(converted, state: dict, source, converter: str):
     for name, tensor in state.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(
-                f"{converter} conversion produced non-finite values in {name}; try a larger shrinkage alpha"
+                f"{converter} conversion produced non-finite values in {name} ({str(dtype).removeprefix('torch.')}); "
+                "convert the model in float32, or with a larger shrinkage alpha"
             )
     converted.load_state_dict(state, strict=True, assign=True)
     converted.tie_weights()  # assigned, the tied output and input embeddings are two parameters again
