@@ -63,7 +63,10 @@ class CareConversionConfig:
     absorb_value: bool = field(default=False, metadata={"help": "Fold the value up-projection into o_proj."})
     rank_floor_frac: float = field(
         default=0.0,
-        metadata={"help": "Default allocation: every matrix keeps at least this fraction of its largest rank."},
+        metadata={
+            "help": "Water-filling methods (care, care-e-raw, care-e-rel): every matrix keeps at least this fraction of "
+            "its largest rank."
+        },
     )
 
     def __post_init__(self):
@@ -74,6 +77,8 @@ class CareConversionConfig:
         check_shrinkage(self.alpha, self.lam_frac)
         if not 0.0 <= self.rank_floor_frac <= self.kv_keep:  # floors above the budget: water-filling has no solution
             raise ValueError(f"rank_floor_frac must be in [0, kv_keep={self.kv_keep}], got {self.rank_floor_frac}")
+        if self.rank_floor_frac and self.method in ("svd", "asvd", "care-u"):
+            raise ValueError(f"rank_floor_frac applies to water-filled ranks; method {self.method!r} has uniform ones")
 
 
 def model_family(model) -> str:

@@ -72,6 +72,14 @@ def test_shrinkage_and_rank_floor_outside_their_range_are_errors(option):
             PaluConversionConfig(**option)
 
 
+@pytest.mark.parametrize("method", ["svd", "asvd", "care-u"])
+def test_a_rank_floor_with_uniform_ranks_is_refused_in_one_line(method):
+    """The floor bounds water-filled ranks only; uniform methods used to ignore it silently."""
+    with pytest.raises(ValueError, match=rf"^rank_floor_frac applies to water-filled ranks; method '{method}' has"):
+        CareConversionConfig(method=method, rank_floor_frac=0.1)
+    assert CareConversionConfig(method="care-e-raw", rank_floor_frac=0.1).rank_floor_frac == 0.1
+
+
 def test_rank_above_matrix_width_is_an_error():
     model = make_tiny("llama")
     factors = factorize_kv(model, None, "svd", CareConversionConfig())
