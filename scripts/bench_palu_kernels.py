@@ -16,7 +16,7 @@ from hf_accel.cli import OneLineErrorParser
 from hf_accel.kernels.benchmark import PaluAttentionBenchConfig, format_report, run_palu_attention_benchmark
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> tuple[argparse.Namespace, PaluAttentionBenchConfig]:
     defaults = PaluAttentionBenchConfig()
     parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -30,23 +30,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
     parser.add_argument("--iters", type=int, default=defaults.iters)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        config = PaluAttentionBenchConfig(
+            num_heads=args.num_heads,
+            num_key_value_heads=args.num_key_value_heads,
+            head_dim=args.head_dim,
+            group_size=args.group_size,
+            key_keep=args.key_keep,
+            value_keep=args.value_keep,
+            batch_size=args.batch_size,
+            seq_lens=tuple(args.seq_lens),
+            warmup=args.warmup,
+            iters=args.iters,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    return args, config
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    config = PaluAttentionBenchConfig(
-        num_heads=args.num_heads,
-        num_key_value_heads=args.num_key_value_heads,
-        head_dim=args.head_dim,
-        group_size=args.group_size,
-        key_keep=args.key_keep,
-        value_keep=args.value_keep,
-        batch_size=args.batch_size,
-        seq_lens=tuple(args.seq_lens),
-        warmup=args.warmup,
-        iters=args.iters,
-    )
+    args, config = parse_args(argv)
     report = run_palu_attention_benchmark(config)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

@@ -24,6 +24,15 @@ def test_script_without_gpu_says_so_and_exits_zero(monkeypatch, capsys):
     assert "No GPU" in capsys.readouterr().out
 
 
+def test_script_refuses_a_bad_layout_in_one_line(capsys):
+    module = runpy.run_path(str(SCRIPT))
+    with pytest.raises(SystemExit) as exit_info:
+        module["main"](["--group-size", "3"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "error: group_size=3 must be positive and divide num_key_value_heads=8" in err
+
+
 def test_benchmarked_palu_path_equals_sdpa_on_reconstructed_states(monkeypatch):
     # the timed palu path (scores kernel → softmax → p·H^v, B^v folded later) must compute the same attention
     config = benchmark.PaluAttentionBenchConfig(
