@@ -270,6 +270,8 @@ class DrafterCandidateGenerator(CandidateGenerator):
             at or past it.
         stopping_criteria (`StoppingCriteriaList`, *optional*): the call's criteria; a draft ends before the first
             token at which they would stop (see [`_draft_length_before_stop`]).
+        attention_mask (`torch.LongTensor` of shape `(1, prompt_length)`, *optional*): the prompt's padding mask
+            (requests' `attention_mask`, so that their context leaves the left padding out); none: no padding.
     """
 
     def __init__(
@@ -280,8 +282,10 @@ class DrafterCandidateGenerator(CandidateGenerator):
         vocab_size: int | None = None,
         position_limit=None,
         stopping_criteria=None,
+        attention_mask=None,
     ):
         self.drafter = drafter
+        self.attention_mask = attention_mask
         self.vocab_size = vocab_size
         self.position_limit = position_limit
         self.stopping_criteria = stopping_criteria
@@ -296,9 +300,12 @@ class DrafterCandidateGenerator(CandidateGenerator):
         length = input_ids.shape[1]
         remaining = torch.tensor([self.generation_config.max_length - length - 1])
         max_depth = max_draft_depth(remaining, torch.tensor([length - 1]), self.position_limit)  # the root: length - 1
+        prompt_mask = self.attention_mask
+        if prompt_mask is None:
+            prompt_mask = torch.ones_like(input_ids[:, : self.prompt_length])
         request = DraftRequest(
-            input_ids, torch.tensor([length]), self.prompt_length, torch.ones_like(input_ids[:, : self.prompt_length]),
-            torch.tensor([0]), max_depth, bool(self.generation_config.do_sample),
+            input_ids, torch.tensor([length]), self.prompt_length, prompt_mask, torch.tensor([0]), max_depth,
+            bool(self.generation_config.do_sample),
         )  # fmt: skip
         tic = time.perf_counter()
         tree = self.drafter.propose(request)
@@ -399,8 +406,9 @@ def assisted_generate(
     if hasattr(drafter, "last_stats"):
         drafter.last_stats = None  # an earlier `custom_generate` call's: transformers' loop keeps no such statistics
     streamer = streamer if streamer is not None else _find_streamer()
+    prompt_mask = model_kwargs.get("attention_mask")  # the drafter sees the prompt's padding as the engine shows it
     if hasattr(drafter, "begin"):
-        drafter.begin(input_ids, torch.ones_like(input_ids), generation_config)
+        drafter.begin(input_ids, torch.ones_like(input_ids) if prompt_mask is None else prompt_mask, generation_config)
     candidate_generator = DrafterCandidateGenerator(
         drafter,
         generation_config,
@@ -408,11 +416,11 @@ def assisted_generate(
         input_vocab_size(model),
         draft_position_limit(model),
         stopping_criteria,
+        prompt_mask,
     )
     if generation_config.do_sample:
         # transformers samples every candidate position of a pass at once, so the randomness a pass takes from torch's
         # generator depends on the draft's length: sample per position instead, by a greedy pick of the noised scores
-        prompt_mask = model_kwargs.get("attention_mask")
         padding = 0 if prompt_mask is None else int((prompt_mask[0] == 0).sum())
         logits_processor = LogitsProcessorList([*(logits_processor or []), _PositionSampling(padding)])
         generation_config = copy.copy(generation_config)

@@ -317,6 +317,34 @@ def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
 
 
 @pytest.mark.parametrize("loop", [custom_generate, assisted_generate])
+def test_begin_gets_the_prompt_and_its_padding_mask_before_anything_else(tiny_llama, loop):
+    """The protocol's `begin(input_ids, attention_mask, generation_config)`, once per call before the prefill, in both
+    loops alike: transformers' assisted loop was handed an all-ones mask, and requests whose context held the left
+    padding, so a drafter took pad tokens for the prompt's."""
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 8]])
+    attention_mask = (input_ids != 0).long()
+    reference = tiny_llama.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False)
+
+    class Recording(ReferenceDrafter):
+        begun, contexts = [], []
+
+        def begin(self, input_ids, attention_mask, generation_config):
+            assert not self.results and not self.contexts  # before the prefill and every proposal
+            self.begun.append((input_ids.tolist(), attention_mask.tolist(), generation_config.max_length))
+
+        def propose(self, request):
+            self.contexts.append(request.context(0).tolist())
+            return super().propose(request)
+
+    drafter = Recording(reference, corrupt_every=0)
+    out = tiny_llama.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, custom_generate=loop,
+                              drafter=drafter)  # fmt: skip
+    assert torch.equal(out, reference)
+    assert drafter.begun == [([[0, 0, 5, 6, 7, 8]], [[0, 0, 1, 1, 1, 1]], 14)]
+    assert drafter.contexts and all(context[:4] == [5, 6, 7, 8] for context in drafter.contexts)
+
+
+@pytest.mark.parametrize("loop", [custom_generate, assisted_generate])
 def test_a_stop_point_inside_an_accepted_draft_ends_the_text_and_the_stream_there(tiny_llama, loop):
     """A criterion that looks at the text's end, as a stop string does (`StopStringCriteria`, the way stop strings
     reach a callable `custom_generate`): transformers' assisted loop asks it once per pass, after every accepted token,
