@@ -308,12 +308,82 @@ def test_streamer_receives_exactly_the_output(tiny_llama):
     assert any(shape[1] > 1 for shape in streamer.shapes[1:])
 
 
+def test_streaming_a_batch_is_refused_in_one_line(tiny_llama):
+    input_ids = torch.tensor([[5, 6, 7, 8]] * 2)
+    reference = tiny_llama.generate(input_ids, max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match=r"^streaming supports batch size 1, got 2; drop `streamer=` or the batch$"):
+        tiny_llama.generate(input_ids, max_new_tokens=4, streamer=CollectingStreamer(), custom_generate=custom_generate,
+                            drafter=ReferenceDrafter(reference))  # fmt: skip
+
+
+def test_the_streamer_is_found_in_the_frame_of_generate_only():
+    """transformers feeds a callable `custom_generate` no `streamer`: it is read from the enclosing `generate` frame,
+    one that also holds `custom_generate` (not a user's own `generate` wrapper with a streamer of its own)."""
+    from hf_accel.speculative.generate import _find_streamer
+
+    assert _find_streamer() is None  # no enclosing `generate`: a direct call
+
+    def generate(streamer, custom_generate=None):  # as `GenerationMixin.generate`'s frame
+        return _find_streamer()
+
+    assert generate("the call's streamer") == "the call's streamer"
+
+    def generate(streamer):  # another function of that name
+        return _find_streamer()
+
+    assert generate("a wrapper's streamer") is None
+
+
+def test_return_dict_in_generate_gives_the_sequences_and_the_statistics(tiny_llama):
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    plain = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    drafter = ReferenceDrafter(plain.sequences, corrupt_every=0)
+    out = tiny_llama.generate(input_ids, max_new_tokens=8, return_dict_in_generate=True,
+                              custom_generate=custom_generate, drafter=drafter)  # fmt: skip
+    assert type(out) is type(plain) and torch.equal(out.sequences, plain.sequences)
+    assert out.past_key_values is None  # the engine's cache is not the one plain `generate` returns (docstring)
+    assert out.speculative_stats is drafter.last_stats and out.speculative_stats.new_tokens == 8
+
+
+def test_a_direct_call_with_synced_gpus_is_refused_in_one_line(tiny_llama):
+    """`generate` passes a callable `custom_generate` only the arguments its own loops do not take (`drafter`), so
+    `synced_gpus` reaches it from a direct call alone."""
+    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    args = (LogitsProcessorList(), StoppingCriteriaList(), GenerationConfig(max_length=8))
+    with pytest.raises(ValueError, match=r"^speculative decoding does not support `synced_gpus=True`$"):
+        custom_generate(tiny_llama, input_ids, *args, synced_gpus=True, drafter=ReferenceDrafter(input_ids))
+
+
 def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
     input_ids = torch.tensor([[5, 6, 7, 8]])
     reference = tiny_llama.generate(input_ids, max_new_tokens=16, do_sample=False)
     out = tiny_llama.generate(input_ids, max_new_tokens=16, custom_generate=assisted_generate,
                               drafter=ReferenceDrafter(reference, depth=4))  # fmt: skip
     assert torch.equal(out, reference)
+
+
+def test_the_candidate_generator_drafts_the_first_chain_of_a_tree_and_refuses_batches():
+    """Used alone (no stopping criteria, no padding mask: its defaults), the adapter drafts the chain under the root's
+    first child, past its siblings and padding nodes; transformers' loop runs one row, so a batch is refused."""
+    from transformers import GenerationConfig
+
+    from hf_accel.speculative.generate import DrafterCandidateGenerator
+
+    class Fixed:
+        def propose(self, request):
+            return tree
+
+    # node 0 under the root, 1 its sibling, 2 under 0, 3 under 1, 4 (padding) and 5 under 2
+    tree = DraftTree.from_parent_lists([([11, 12, 13, 14, 15, 16], [-1, -1, 0, 1, 2, 2])])
+    tree.node_mask[0, 4] = False
+    generator = DrafterCandidateGenerator(Fixed(), GenerationConfig(max_length=20), prompt_length=4)
+    candidates, logits = generator.get_candidates(torch.tensor([[5, 6, 7, 8]]))
+    assert candidates.tolist() == [[5, 6, 7, 8, 11, 13, 16]] and logits is None
+    message = r"^transformers' assisted loop supports batch size 1; use `custom_generate` for batches$"
+    with pytest.raises(ValueError, match=message):
+        generator.get_candidates(torch.tensor([[5, 6, 7, 8]] * 2))
 
 
 @pytest.mark.parametrize("loop", [custom_generate, assisted_generate])
@@ -553,6 +623,7 @@ def test_generation_modes_the_engine_cannot_run_are_refused(tiny_llama):
     refused = [  # each is silently ignored or miscomputed if run as greedy search
         ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive"),
         ({"dola_layers": "high"}, "dola"),
+        ({"num_beams": 2}, "needs num_beams=1, got 2"),  # its mode check would name beam search, not the argument
         ({"guidance_scale": 1.5}, "guidance_scale"),  # a stateful processor assuming one new token per call
         # another one: SynthID's state appends the last token of every call, rejected drafts included
         ({"watermarking_config": SynthIDTextWatermarkingConfig(keys=[654, 400, 836], ngram_len=3)}, "SynthID"),
