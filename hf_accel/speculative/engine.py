@@ -719,10 +719,8 @@ class SpeculativeEngine:
         probs = torch.softmax(scores, dim=-1)  # [B, N, V]
         paths, bonus = [], []
         for b in range(tree_ids.shape[0]):
-            q = None
-            if tree.draft_probs is not None:
-                q = match_draft_vocab(tree.draft_probs[b].to(probs), probs.shape[-1])
-                q = torch.cat([torch.zeros_like(probs[b, :1]), q], dim=0)
+            q = match_draft_vocab(tree.draft_probs[b].to(probs), probs.shape[-1])
+            q = torch.cat([torch.zeros_like(probs[b, :1]), q], dim=0)  # the root has no draft probability
             path, token = sample_accept_tree(
                 tree_ids[b].tolist(), parent[b].tolist(), probs[b], q, node_valid[b].tolist()
             )
