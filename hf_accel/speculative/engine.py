@@ -755,8 +755,6 @@ class SpeculativeEngine:
         return new_tokens, torch.tensor(finished, dtype=torch.bool, device=state.sequences.device)
 
     def _should_stop(self, sequences, row: int) -> bool:
-        if not len(self.stopping_criteria):
-            return False
         if self._row_wise_stopping:
             return bool(self.stopping_criteria(sequences[row : row + 1], None)[0])
         # full-size batch, so criteria holding per-row state (or indexing rows) see row `row` at its own index
