@@ -895,6 +895,21 @@ def test_prefill_auxiliary_inputs_stay_inside_a_position_table():
     assert drafter.results[0].aux_logits.shape == (2, 10, 97)
 
 
+@pytest.mark.parametrize("proposal", [None, DraftTree(torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, 0))])
+def test_a_prefill_proposal_without_auxiliary_inputs_runs_the_prompt_alone(tiny_llama, proposal):
+    input_ids, attention_mask = _ragged_batch(3)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 8, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs)
+
+    class NothingForThePrefill(ReferenceDrafter):
+        def propose_prefill(self, request):
+            return proposal
+
+    drafter = NothingForThePrefill(reference)
+    assert torch.equal(tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
+    assert drafter.results[0].is_prefill and drafter.results[0].aux_logits is None
+
+
 @pytest.mark.parametrize(
     "proposal, message",
     [

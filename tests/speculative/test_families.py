@@ -211,6 +211,31 @@ def test_local_attention_is_refused_in_one_line():
         model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(model.generate(**kwargs)))
 
 
+def test_chunked_attention_is_refused_in_one_line():
+    """Llama 4's chunked attention windows chunks, not the recent tokens the engine's masks keep."""
+    model = _build(("Llama4TextConfig", "Llama4ForCausalLM", {**_LLAMA_LIKE, "attention_chunk_size": 8}))
+    kwargs = {**_prompts(1), "max_new_tokens": 4, "do_sample": False}
+    message = r"^llama4_text's windowed attention \(chunked_attention 8\) is not supported by speculative decoding, "
+    with pytest.raises(ValueError, match=message):
+        model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(model.generate(**kwargs)))
+
+
+@pytest.mark.parametrize(
+    "layer, message",
+    [
+        ({"sliding_window": 4}, r"^mistral's windowed attention \(sliding_attention 4, sliding_attention 8\) is not"),
+        ({"sliding_window": None}, r"^mistral mixes sliding and full attention layers without naming them in `layer_"),
+    ],
+)
+def test_windows_that_differ_between_layers_are_refused_in_one_line(layer, message):
+    """One mask windows every layer alike: a heterogeneous config (`per_layer_config`) whose layers slide over other
+    windows, or some of them over none, without `layer_types` to give each kind its own mask, is refused."""
+    config = transformers.MistralConfig(**{**_LLAMA_LIKE, "sliding_window": 8, "per_layer_config": {1: layer}})
+    with pytest.raises(ValueError, match=message) as error:
+        attention_window(config)
+    assert len(str(error.value).splitlines()) == 1
+
+
 @pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention"] * 2])
 def test_mistral_given_layer_types_windows_every_layer_by_its_sliding_window(layer_types):
     """Mistral's config takes no `layer_types` field: one given (as old Ministral checkpoints of model type "mistral"
