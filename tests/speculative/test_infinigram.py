@@ -784,6 +784,22 @@ def test_a_document_with_ids_outside_the_vocabulary_is_named_by_its_place(tmp_pa
     assert not (tmp_path / "idx").exists()
 
 
+@pytest.mark.parametrize(
+    "documents, message",
+    [
+        ([[3, 7], [[1, 2], [3, 4]]], r"^document 1 is not a flat sequence of token ids \(shape \(2, 2\)\)$"),
+        ([[3, 7], [[1, 2], [3]]], r"^document 1 is not a flat sequence of token ids"),  # ragged: numpy's own error
+        ([[3, 7], "3 7"], r"^document 1 is not a flat sequence of token ids \(shape \(\)\)$"),  # text, not ids
+        ([[], np.zeros(0, np.int64)], r"^no tokens to index: every document was empty$"),
+    ],
+)
+def test_documents_that_are_no_token_id_sequences_are_refused_in_one_line(tmp_path, documents, message):
+    with pytest.raises(ValueError, match=message) as error:
+        build_index(documents, tmp_path / "idx", *_fingerprint())
+    assert len(str(error.value).splitlines()) == 1
+    assert not (tmp_path / "idx").exists()
+
+
 def test_documents_of_float_or_bool_values_are_refused_not_truncated(tmp_path):
     for bad, dtype in (([3, 7.5], "float64"), (torch.tensor([True, False]), "bool")):
         with pytest.raises(ValueError, match=f"^document 1 holds {dtype} values, not integer token ids"):

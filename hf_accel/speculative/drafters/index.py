@@ -141,7 +141,10 @@ def write_token_stream(documents: Iterable[Sequence[int]], path: Path, vocab_siz
     separator = np.array([SEPARATOR], dtype="<u4").tobytes()
     with open(path, "wb") as stream:
         for number, doc in enumerate(documents):
-            array = np.asarray(doc.cpu() if hasattr(doc, "cpu") else doc)  # a torch tensor on any device
+            try:
+                array = np.asarray(doc.cpu() if hasattr(doc, "cpu") else doc)  # a torch tensor on any device
+            except ValueError:  # ragged nesting: numpy's message names no document
+                raise ValueError(f"document {number} is not a flat sequence of token ids (ragged)") from None
             if array.size == 0:
                 continue
             if array.ndim != 1:
