@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -152,6 +153,34 @@ def test_the_drafters_package_says_where_its_drafters_register():
     registered = [line for line in drafters.__doc__.splitlines() if "register_drafter" in line]
     assert registered and "Each drafter module" not in drafters.__doc__
     assert all(f"`{name}`" in drafters.__doc__ for name in drafters.available_drafters())
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("", "a drafter name must be non-empty and contain no ':', got ''"),
+        ("ngram:v2", "a drafter name must be non-empty and contain no ':', got 'ngram:v2'"),  # `name:artifact`
+        ("vanilla", "'vanilla' is a benchmark baseline, not a drafter name"),
+        ("pld", "'pld' is a benchmark baseline, not a drafter name"),
+    ],
+)
+def test_a_drafter_name_that_method_strings_cannot_name_is_refused(name, message):
+    from hf_accel.speculative.drafters import available_drafters, register_drafter
+
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        register_drafter(name, lambda artifact, model, tokenizer: None)
+    assert name not in available_drafters()
+
+
+def test_the_ngram_chain_drafter_drafts_one_path():
+    from hf_accel.speculative.drafters import build_drafter
+
+    chain, tree = build_drafter("ngram-chain", None, None, None), build_drafter("ngram", None, None, None)
+    assert isinstance(chain, InfinigramDrafter) and chain.index is None
+    context = np.array([5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6])  # three continuations of `5 6`
+    tokens, parents, _ = chain.draft_row(context, 3, 8)
+    assert tokens and parents == list(range(-1, len(tokens) - 1))
+    assert len(set(tree.draft_row(context, 3, 8)[1])) < len(tree.draft_row(context, 3, 8)[1])  # siblings
 
 
 def test_registry_and_index_build_cli(tmp_path, capsys):
@@ -358,6 +387,7 @@ def test_index_build_cli_errors_are_one_line_and_come_before_loading(tmp_path, c
     a_file = tmp_path / "file"
     a_file.write_text("x")
     cases = [
+        (["--out", str(tmp_path / "o")], "nothing to index: pass --text FILE..., --dataset NAME, or --self-distill"),
         (["--out", str(a_file), "--text", str(text)], "existing file"),
         (["--out", str(tmp_path / "o"), "--text", str(tmp_path / "missing.txt")], "not found"),
         # the model does not exist: these must fail on the options first
