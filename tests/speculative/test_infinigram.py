@@ -102,6 +102,9 @@ def test_tokenizer_mismatch_is_refused(small_index):
 
 
 def test_context_matches_brute_force():
+    for short in ([], [5]):  # no earlier position to match
+        ends, lengths = context_matches(np.array(short, dtype=np.int64))
+        assert ends.tolist() == lengths.tolist() == [] and ends.dtype == lengths.dtype == np.int64
     rng = np.random.default_rng(2)
     for _ in range(30):
         context = rng.integers(0, 4, size=rng.integers(2, 40))
@@ -129,9 +132,10 @@ def test_trie_and_selection():
     assert pruned == ([1, 2, 4], [-1, 0, 1], [3.0, 3.0, 2.0])
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_infinigram_greedy_identity_tiny_model(tiny_llama, tmp_path, tree):
-    """Context-only and indexed drafting never change greedy output (batch 3, ragged)."""
+@pytest.mark.parametrize("tree, calibrate", [(False, True), (True, True), (True, False)])
+def test_infinigram_greedy_identity_tiny_model(tiny_llama, tmp_path, tree, calibrate):
+    """Context-only and indexed drafting never change greedy output (batch 3, ragged); uncalibrated, the drafter sizes
+    its trees by the raw node scores."""
     input_ids = torch.tensor([[0, 0, 5, 6, 7, 5, 6], [8, 9, 10, 8, 9, 10, 8], [0, 11, 12, 13, 11, 12, 13]])
     attention_mask = (input_ids != 0).long()
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 30, "do_sample": False}
@@ -139,10 +143,12 @@ def test_infinigram_greedy_identity_tiny_model(tiny_llama, tmp_path, tree):
     name, vocab_hash, vocab_size = tokenizer_fingerprint(FakeTokenizer(97))
     build_index([row.tolist() for row in reference], tmp_path / "idx", name, vocab_hash, vocab_size)
     for index in (None, tmp_path / "idx"):
-        drafter = InfinigramDrafter(index, FakeTokenizer(97), InfinigramConfig(tree=tree, adaptive_cost=False))
+        config = InfinigramConfig(tree=tree, adaptive_cost=False, calibrate=calibrate)
+        drafter = InfinigramDrafter(index, FakeTokenizer(97), config)
         out = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
         assert torch.equal(out, reference)
     assert out.speculative_stats.mean_accepted > 3  # the index holds these very outputs
+    assert (drafter.calibrator is None) == (not calibrate)
 
 
 def test_the_drafters_package_says_where_its_drafters_register():
