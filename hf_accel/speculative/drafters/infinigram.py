@@ -342,8 +342,7 @@ class InfinigramDrafter:
             ends, lengths = ends[order], lengths[order]
             index = ends[:, None] + 1 + np.arange(depth)[None, :]
             conts = np.where(index < len(context), context[np.clip(index, 0, len(context) - 1)], -1)
+            # an occurrence ends before the context's last token, so its first continuation token is always known
             for length in np.unique(lengths):
-                group = conts[(lengths == length) & (conts[:, 0] >= 0)]
-                if len(group):
-                    groups.append((int(length), True, group))
+                groups.append((int(length), True, conts[lengths == length]))
         return groups
