@@ -119,6 +119,18 @@ def test_context_matches_brute_force():
         assert dict(zip(ends.tolist(), lengths.tolist())) == expected
 
 
+def test_simulated_acceptance_keeps_the_first_deepest_matching_path():
+    """Greedy verification accepts the deepest path of nodes that match the target; a sibling with the same token as a
+    node on it (numbered after it) matches too, at a depth no deeper, and does not replace it."""
+    from hf_accel.speculative.drafters.simulate import accepted_length, accepted_nodes
+
+    tokens, parents = [5, 6, 5, 7], [-1, 0, -1, 1]  # node 2 repeats node 0
+    assert accepted_length(tokens, parents, [5, 6, 7, 9]) == 3
+    assert accepted_nodes(tokens, parents, [5, 6, 7]) == {0, 1, 3}
+    assert accepted_length(tokens, parents, [5, 6, 8]) == 2 and accepted_nodes(tokens, parents, [5, 6, 8]) == {0, 1}
+    assert accepted_nodes(tokens, parents, [5, 8]) == {0} and accepted_nodes(tokens, parents, [4]) == set()
+
+
 def test_trie_and_selection():
     conts = np.array([[1, 2, 3], [1, 2, 4], [5, -1, -1]])
     tokens, parents, weights = build_weighted_trie(conts, np.array([1.0, 2.0, 0.5]))
