@@ -601,6 +601,23 @@ def test_text_files_are_tokenized_in_chunks_as_a_whole(tmp_path):
             assert next(iter_text_file_documents([path], tokenizer, chunk_chars=chunk_chars)) == whole
 
 
+def test_text_file_chunks_of_a_tokenizer_no_cut_satisfies_end_at_whitespace(tmp_path):
+    """A tokenizer that adds a piece to every call (a prefix space) never tokenizes a cut's two sides as their whole:
+    chunks then end at the last whitespace before their end, not inside a word; a missing file is named."""
+    from hf_accel.speculative.drafters.build import iter_text_file_documents
+
+    def prefixing(text, add_special_tokens=False):
+        return {"input_ids": [0] + [ord(c) for c in text]}
+
+    path = tmp_path / "a.txt"
+    path.write_text("ab cd ef gh")
+    pieces = ["ab", " cd", " ef", " gh"]  # chunks of about 4 characters, each cut before a space
+    expected = [token for piece in pieces for token in prefixing(piece)["input_ids"]]
+    assert next(iter_text_file_documents([path], prefixing, chunk_chars=4)) == expected
+    with pytest.raises(FileNotFoundError, match=r"^text file not found: .*missing\.txt$"):
+        next(iter_text_file_documents([tmp_path / "missing.txt"], prefixing))
+
+
 def test_text_file_chunks_keep_the_tokens_of_a_llama3_style_tokenizer(tmp_path):
     """Llama 3 and Qwen pre-tokenizers glue line breaks to the punctuation before them (`.` + `\\n\\n` is one piece):
     a cut before a line break would split such a piece."""
@@ -1369,6 +1386,45 @@ def test_index_files_linking_outside_the_index_directory_are_refused(small_index
     (path / "sa.bin").symlink_to(Path("..") / "elsewhere.bin")  # relative
     with pytest.raises(ValueError, match=r"sa\.bin links outside the index directory"):
         InfinigramIndex(path)
+
+
+def test_the_self_distillation_cache_reader_skips_blank_lines_and_a_vanished_file(tmp_path):
+    from hf_accel.speculative.drafters.build import _read_locked_self_distill_cache, parse_self_distill_records
+
+    data = b'{"key": "a", "tokens": [1]}\n\n  \n{"key": "b", "tokens": [2]}\n'  # a file edited by hand
+    records, count = parse_self_distill_records(data, "cache.jsonl")
+    assert count == 2 and {k: r["tokens"] for k, r in records.items()} == {"a": [1], "b": [2]}
+    # removed by another process between a caller's check and its lock: nothing cached
+    assert _read_locked_self_distill_cache(tmp_path / "self_distill.jsonl") == ({}, 0)
+
+
+def test_a_rewrite_stamps_only_the_adopted_records_still_unclaimed(tmp_path):
+    """Between a run's adoption of old records and its rewrite, another process may have stamped or replaced one
+    (another model's answer now), or dropped it: the rewrite re-reads the cache and stamps only records still without
+    a fingerprint or with this model's weights-only one."""
+    from hf_accel.speculative.drafters.build import _rewrite_self_distill_cache
+
+    cache = tmp_path / "self_distill.jsonl"
+    records = [
+        {"key": "claimed", "model": "another model", "tokens": [1]},
+        {"key": "legacy", "tokens": [2]},
+        {"key": "weights-only", "model": "weights", "tokens": [3]},
+    ]
+    cache.write_text("".join(json.dumps(r) + "\n" for r in records))
+    _rewrite_self_distill_cache(cache, {"claimed", "legacy", "weights-only", "dropped"}, "fingerprint", "weights")
+    models = {r["key"]: r.get("model") for r in map(json.loads, cache.read_text().splitlines())}
+    assert models == {"claimed": "another model", "legacy": "fingerprint", "weights-only": "fingerprint"}
+
+
+def test_the_fingerprint_of_offloaded_parameters_counts_their_names_and_shapes():
+    """Parameters offloaded to `meta` (accelerate's disk offload) have no values to sample: their names, shapes and
+    dtypes alone make the fingerprint."""
+    from hf_accel.speculative.drafters.build import model_fingerprint
+    from tests.conftest import make_tiny_llama
+
+    offloaded = [make_tiny_llama(seed=seed).to("meta") for seed in (0, 1)]
+    assert model_fingerprint(offloaded[0]) == model_fingerprint(offloaded[1]) != model_fingerprint(make_tiny_llama())
+    assert model_fingerprint(offloaded[0]) != model_fingerprint(make_tiny_llama(num_hidden_layers=1).to("meta"))
 
 
 @pytest.mark.parametrize(
