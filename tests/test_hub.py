@@ -706,6 +706,20 @@ def test_repo_generate_turns_stop_strings_into_a_criterion(monkeypatch):
     assert repo_generate._drafters[model] == "a drafter"
 
 
+def test_repo_generate_without_a_tokenizer_to_check_the_index_against_asks_for_one(tmp_path):
+    """Without `tokenizer=`, the drafter's index is checked against the tokenizer of `model.name_or_path`: one that
+    cannot be loaded (a model built in memory, a directory since removed) is one line asking for `tokenizer=`."""
+    from hf_accel.speculative import repo_generate
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama()
+    model.name_or_path = str(tmp_path / "removed")
+    with pytest.raises(ValueError, match=r"^cannot load the tokenizer of '.*removed' to check the drafter") as err:
+        repo_generate.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4)
+    assert str(err.value).endswith("pass `tokenizer=` to `generate`") and len(str(err.value).splitlines()) == 1
+    assert model not in repo_generate._drafters
+
+
 def test_repo_generate_honours_the_stop_strings_of_the_models_generation_config():
     """Stop strings saved in a model's generation_config.json: plain `generate(tokenizer=...)` stops at them, and so
     does the repository's generate.py. `generate` fills a call's config from the model's, so they reached transformers
