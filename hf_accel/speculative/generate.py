@@ -13,7 +13,7 @@ transformers 5.23 runs its usual preparation (generation config, cache, logits p
 `max_length`) and then calls the callable as `custom_generate(model, input_ids, logits_processor=...,
 stopping_criteria=..., generation_config=..., **model_kwargs)`, passing through the extra keyword arguments named
 in its signature (here `drafter`). It does *not* forward `streamer` to a callable (it only feeds it the prompt), so
-this function finds the streamer of the enclosing `generate` call itself; see [`_find_streamer`].
+this function finds the streamer of the enclosing `generate` call itself; see [`_generate_argument`].
 """
 
 import copy
@@ -66,7 +66,8 @@ def custom_generate(
         logits_processor (`LogitsProcessorList`): prepared by `generate`.
         stopping_criteria (`StoppingCriteriaList`): prepared by `generate` (EOS, max length, stop strings).
         generation_config (`GenerationConfig`): prepared by `generate`; `do_sample` selects lossless sampling.
-        synced_gpus (`bool`, *optional*): unsupported (must be `False`).
+        synced_gpus (`bool`, *optional*): unsupported (must be `False`; `generate` turns it on for a model sharded
+            by DeepSpeed ZeRO-3 or FSDP across processes, which is refused too).
         streamer (`BaseStreamer`, *optional*): batch size 1 only.
         drafter: an object following the drafter protocol of [`~hf_accel.speculative.engine`] (required).
         **model_kwargs: `attention_mask`, `past_key_values`, `position_ids`, ... as prepared by `generate`.
@@ -91,9 +92,9 @@ def custom_generate(
     ```
     """
     _validate_call("custom_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
-    _validate_engine_call(model, generation_config, synced_gpus, model_kwargs)
+    _validate_engine_call(model, generation_config, _synced_gpus(model, synced_gpus), model_kwargs)
     drafter.last_stats = None  # an earlier call's until this one ends: a call that raises leaves none
-    streamer = streamer if streamer is not None else _find_streamer()
+    streamer = streamer if streamer is not None else _generate_argument("streamer")
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(f"streaming supports batch size 1, got {input_ids.shape[0]}; drop `streamer=` or the batch")
     engine = SpeculativeEngine(model, drafter, generation_config, logits_processor, stopping_criteria, streamer)
@@ -182,7 +183,10 @@ _ENGINE_MODEL_KWARGS = (
 def _validate_engine_call(model, generation_config, synced_gpus, model_kwargs):
     """What hf-accel's own loop refuses besides [`_validate_call`]."""
     if synced_gpus:
-        raise ValueError("speculative decoding does not support `synced_gpus=True`")
+        raise ValueError(
+            "speculative decoding does not support `synced_gpus=True` (a model sharded by DeepSpeed ZeRO-3 or FSDP "
+            "across processes); use plain `generate`"
+        )
     # the engine runs the model on tokens, positions, the mask and the cache only: any other input `generate` would
     # pass on (a vision-language model's encoded `pixel_values`, ...) would be dropped and the text silently differ;
     # those of a text-only call change nothing (see `_text_only`)
@@ -232,26 +236,37 @@ def _text_only(name: str, value) -> bool:
     return name == "mm_token_type_ids" and torch.is_tensor(value) and not bool(value.any())
 
 
-def _find_streamer():
-    """The `streamer` argument of the enclosing `GenerationMixin.generate` frame, if any.
+def _generate_argument(name: str):
+    """The argument `name` of the enclosing `GenerationMixin.generate` frame, or `None`.
 
-    transformers 5.23 drops `streamer` from the keyword arguments of a callable `custom_generate` (it rebuilds them
-    from the callable's extra parameters only), but calls `streamer.put(prompt)` itself; reading the caller's local
-    is the only way to keep `model.generate(..., streamer=s, custom_generate=...)` streaming.
+    transformers 5.23 passes a callable `custom_generate` only the keyword arguments its own loops do not take (it
+    rebuilds them from the callable's extra parameters), dropping `streamer` (it calls `streamer.put(prompt)` itself)
+    and `synced_gpus`; reading the caller's locals is the only way to honour `model.generate(..., streamer=s,
+    custom_generate=...)`. A frame counts only if it also holds `custom_generate` (not a user's own `generate`).
     """
     frame = inspect.currentframe()
     try:
         while frame is not None:
-            if (
-                frame.f_code.co_name == "generate"
-                and "streamer" in frame.f_locals
-                and "custom_generate" in frame.f_locals
-            ):
-                return frame.f_locals["streamer"]
+            if frame.f_code.co_name == "generate" and name in frame.f_locals and "custom_generate" in frame.f_locals:
+                return frame.f_locals[name]
             frame = frame.f_back
         return None
     finally:
         del frame
+
+
+def _synced_gpus(model, synced_gpus) -> bool:
+    """`synced_gpus` as `generate` decides it: the call's own value, else on for a model sharded by DeepSpeed ZeRO-3
+    or FSDP across several processes (each then runs every forward pass, until all have finished)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    passed = synced_gpus or _generate_argument("synced_gpus")
+    if passed is not None:
+        return bool(passed)
+    distributed = torch.distributed
+    world_size = distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1
+    return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and world_size > 1
 
 
 class DrafterCandidateGenerator(CandidateGenerator):
@@ -405,7 +420,7 @@ def assisted_generate(
         )
     if hasattr(drafter, "last_stats"):
         drafter.last_stats = None  # an earlier `custom_generate` call's: transformers' loop keeps no such statistics
-    streamer = streamer if streamer is not None else _find_streamer()
+    streamer = streamer if streamer is not None else _generate_argument("streamer")
     prompt_mask = model_kwargs.get("attention_mask")  # the drafter sees the prompt's padding as the engine shows it
     if hasattr(drafter, "begin"):
         drafter.begin(input_ids, torch.ones_like(input_ids) if prompt_mask is None else prompt_mask, generation_config)
@@ -436,7 +451,8 @@ def assisted_generate(
     try:
         return model._assisted_decoding(
             input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-            generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
+            generation_config=generation_config, synced_gpus=_synced_gpus(model, synced_gpus), streamer=streamer,
+            **model_kwargs,
         )  # fmt: skip
     finally:
         _assisted_call.generator = None

@@ -1,6 +1,7 @@
 """Equivalence invariants of the verification engine on tiny random Llamas: greedy output == plain `generate`."""
 
 import copy
+import functools
 import random
 
 import pytest
@@ -319,17 +320,17 @@ def test_streaming_a_batch_is_refused_in_one_line(tiny_llama):
 def test_the_streamer_is_found_in_the_frame_of_generate_only():
     """transformers feeds a callable `custom_generate` no `streamer`: it is read from the enclosing `generate` frame,
     one that also holds `custom_generate` (not a user's own `generate` wrapper with a streamer of its own)."""
-    from hf_accel.speculative.generate import _find_streamer
+    from hf_accel.speculative.generate import _generate_argument
 
-    assert _find_streamer() is None  # no enclosing `generate`: a direct call
+    assert _generate_argument("streamer") is None  # no enclosing `generate`: a direct call
 
     def generate(streamer, custom_generate=None):  # as `GenerationMixin.generate`'s frame
-        return _find_streamer()
+        return _generate_argument("streamer")
 
     assert generate("the call's streamer") == "the call's streamer"
 
     def generate(streamer):  # another function of that name
-        return _find_streamer()
+        return _generate_argument("streamer")
 
     assert generate("a wrapper's streamer") is None
 
@@ -346,14 +347,35 @@ def test_return_dict_in_generate_gives_the_sequences_and_the_statistics(tiny_lla
 
 
 def test_a_direct_call_with_synced_gpus_is_refused_in_one_line(tiny_llama):
-    """`generate` passes a callable `custom_generate` only the arguments its own loops do not take (`drafter`), so
-    `synced_gpus` reaches it from a direct call alone."""
     from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
     input_ids = torch.tensor([[5, 6, 7, 8]])
     args = (LogitsProcessorList(), StoppingCriteriaList(), GenerationConfig(max_length=8))
-    with pytest.raises(ValueError, match=r"^speculative decoding does not support `synced_gpus=True`$"):
+    with pytest.raises(
+        ValueError, match=r"^speculative decoding does not support `synced_gpus=True` \(a model sharded"
+    ):
         custom_generate(tiny_llama, input_ids, *args, synced_gpus=True, drafter=ReferenceDrafter(input_ids))
+
+
+@pytest.mark.parametrize("passed", [None, True, False])
+def test_synced_gpus_is_decided_as_generate_decides_it(tiny_llama, monkeypatch, passed):
+    """`generate` drops `synced_gpus` for a callable `custom_generate`, the value it computes for a model sharded by
+    DeepSpeed ZeRO-3 across processes included: the loop decides it as `generate` does, and refuses it, instead of
+    letting processes that finish at different passes hang."""
+    from transformers.integrations import deepspeed
+
+    monkeypatch.setattr(deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    plain = tiny_llama.generate(input_ids, max_new_tokens=4, do_sample=False, synced_gpus=False)
+    call = functools.partial(tiny_llama.generate, input_ids, max_new_tokens=4, custom_generate=custom_generate,
+                             drafter=ReferenceDrafter(plain))  # fmt: skip
+    if passed is False:  # the caller's explicit value wins, as in `generate`
+        assert torch.equal(call(synced_gpus=False), plain)
+        return
+    with pytest.raises(ValueError, match=r"^speculative decoding does not support `synced_gpus=True`"):
+        call() if passed is None else call(synced_gpus=True)
 
 
 def test_chain_drafter_in_transformers_assisted_loop(tiny_llama):
