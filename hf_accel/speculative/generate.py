@@ -91,7 +91,10 @@ def custom_generate(
     >>> out = model.generate(**inputs, custom_generate=custom_generate, drafter=drafter, max_new_tokens=32)
     ```
     """
-    _validate_call("custom_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
+    _validate_call(
+        "custom_generate", model, drafter, generation_config, logits_processor, stopping_criteria, model_kwargs,
+        input_ids,
+    )  # fmt: skip
     _validate_engine_call(model, generation_config, _synced_gpus(model, synced_gpus), model_kwargs)
     drafter.last_stats = None  # an earlier call's until this one ends: a call that raises leaves none
     streamer = streamer if streamer is not None else _generate_argument("streamer")
@@ -113,8 +116,15 @@ def custom_generate(
     return sequences
 
 
-def _validate_call(loop: str, model, drafter, generation_config, logits_processor, model_kwargs, input_ids):
+def _validate_call(
+    loop: str, model, drafter, generation_config, logits_processor, stopping_criteria, model_kwargs, input_ids
+):
     """What both loops refuse, in one line each."""
+    if generation_config is None or logits_processor is None or stopping_criteria is None:
+        raise TypeError(
+            f"{loop} runs inside `model.generate(..., custom_generate={loop}, drafter=...)`, which prepares its "
+            "generation config, logits processors and stopping criteria; a direct call must pass all three"
+        )
     if not callable(getattr(drafter, "propose", None)):  # a name such as "ngram" is built with `build_drafter` first
         got = "none" if drafter is None else f"{type(drafter).__name__} {drafter!r}"[:80]
         raise TypeError(
@@ -398,7 +408,10 @@ def assisted_generate(
     call gives the same text whatever the drafter proposed (its drafts' lengths follow measured pass times), the text
     `custom_generate` gives with that seed. With `output_scores`, a sampled call's scores are the log-probabilities
     plus that position's Gumbel noise."""
-    _validate_call("assisted_generate", model, drafter, generation_config, logits_processor, model_kwargs, input_ids)
+    _validate_call(
+        "assisted_generate", model, drafter, generation_config, logits_processor, stopping_criteria, model_kwargs,
+        input_ids,
+    )  # fmt: skip
     _check_assisted_loop(model)
     if getattr(drafter, "requires_hidden_states", ()):  # CP heads, SpecFormer: their `update` would get none
         raise ValueError(

@@ -357,6 +357,13 @@ def test_a_direct_call_with_synced_gpus_is_refused_in_one_line(tiny_llama):
         custom_generate(tiny_llama, input_ids, *args, synced_gpus=True, drafter=ReferenceDrafter(input_ids))
 
 
+@pytest.mark.parametrize("loop", [custom_generate, assisted_generate])
+def test_a_direct_call_without_what_generate_prepares_is_one_line(tiny_llama, loop):
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(TypeError, match=rf"^{loop.__name__} runs inside `model.generate\(\.\.\., custom_generate="):
+        loop(tiny_llama, input_ids, drafter=ReferenceDrafter(input_ids))
+
+
 @pytest.mark.parametrize("passed", [None, True, False])
 def test_synced_gpus_is_decided_as_generate_decides_it(tiny_llama, monkeypatch, passed):
     """`generate` drops `synced_gpus` for a callable `custom_generate`, the value it computes for a model sharded by
