@@ -101,6 +101,26 @@ def test_tokenizer_mismatch_is_refused(small_index):
         InfinigramDrafter(index, tokenizer=FakeTokenizer(1000))
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"min_match": 0}, r"min_match must be an integer >= 1, got 0"),
+        ({"max_nodes": 2.5}, r"max_nodes must be an integer >= 1, got 2\.5"),
+        ({"max_depth": True}, r"max_depth must be an integer >= 1, got True"),
+        ({"min_match": 4, "max_match": 3}, r"max_match 3 is below min_match 4"),
+        ({"threshold": 1.5}, r"threshold must be in \[0, 1\], got 1\.5"),
+        ({"threshold": float("nan")}, r"threshold must be in \[0, 1\], got nan"),
+        ({"prior": -1.0}, r"prior must be finite and non-negative, got -1\.0"),
+        ({"alpha": float("inf")}, r"alpha must be finite and non-negative, got inf"),
+        ({"context_weight": 0.0}, r"context_weight must be finite and positive, got 0\.0"),
+    ],
+)
+def test_drafting_knobs_outside_their_range_are_refused_in_one_line(option, message):
+    """`min_match=0` silently drafted nothing: B.3's unigram fallback is not drafted."""
+    with pytest.raises(ValueError, match=rf"^InfinigramConfig\.{message}$"):
+        InfinigramConfig(**option)
+
+
 def test_context_matches_brute_force():
     for short in ([], [5]):  # no earlier position to match
         ends, lengths = context_matches(np.array(short, dtype=np.int64))

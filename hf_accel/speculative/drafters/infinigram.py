@@ -90,6 +90,22 @@ class InfinigramConfig:
     tree: bool = True
     use_context: bool = True
 
+    def __post_init__(self):
+        counts = ("max_depth", "max_nodes", "match_cap", "max_support", "max_match", "min_match")
+        for name in counts + ("max_context_occurrences",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"InfinigramConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.max_match < self.min_match:
+            raise ValueError(f"InfinigramConfig.max_match {self.max_match} is below min_match {self.min_match}")
+        if not 0 <= self.threshold <= 1:
+            raise ValueError(f"InfinigramConfig.threshold must be in [0, 1], got {self.threshold!r}")
+        for name in ("alpha", "prior", "support_prior", "context_weight"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (name == "context_weight" and value == 0):
+                bound = "positive" if name == "context_weight" else "non-negative"
+                raise ValueError(f"InfinigramConfig.{name} must be finite and {bound}, got {value!r}")
+
 
 def context_matches(context: np.ndarray, max_match: int = 64, min_match: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Earlier occurrences of suffixes of `context` inside `context` itself.
