@@ -361,13 +361,16 @@ def copy_remote_code(model, output_dir: str | Path, source_dir: str | Path | Non
     search = [Path(inspect.getfile(type(model))).parent]
     if source_dir is not None and Path(source_dir).is_dir():
         search.append(Path(source_dir))
-    copied = []
+    sources = []  # every file found before any is copied: a missing one leaves `output_dir` as it was
     for name in sorted(_auto_map_files(model.config)):
         if (output_dir / name).is_file():
             continue
         found = next((d / name for d in search if (d / name).is_file()), None)
         if found is None:
             raise FileNotFoundError(f"auto_map names {name}, but it is in none of {[str(d) for d in search]}")
+        sources.append(found)
+    copied = []
+    for found in sources:
         for path in [found, *map(Path, get_relative_import_files(str(found)))]:
             if (output_dir / path.name).is_file():
                 continue

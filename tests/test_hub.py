@@ -972,6 +972,7 @@ def test_remote_code_is_copied_once_with_the_modules_it_imports_and_a_missing_on
         copy_remote_code(model, tmp_path / "other", code)
     assert len(str(err.value).splitlines()) == 1 and str(err.value).startswith("auto_map names tokenization_x.py")
     assert str(code) in str(err.value)
+    assert list((tmp_path / "other").iterdir()) == []  # nothing copied before the missing file was found
 
 
 def test_the_cache_writer_copies_blobs_where_links_cannot_be_made(tmp_path, monkeypatch):
