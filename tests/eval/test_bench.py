@@ -500,8 +500,10 @@ def test_two_demos_converting_the_same_model_at_once_leave_one_whole_checkpoint(
     assert len(conversions) == 1 + (other_demo == "finished first")
 
 
-def test_a_demo_whose_rename_loses_to_another_demos_copy_keeps_that_copy(tmp_path, monkeypatch):
-    # two demos finishing at once: the second rename meets the first's finished copy (directory not empty)
+@pytest.mark.parametrize("other_demo", ["its copy landed first", "none"])
+def test_a_demo_whose_rename_fails_keeps_another_demos_copy_or_reports_it(tmp_path, monkeypatch, other_demo):
+    """Two demos finishing at once: the second rename meets the first's finished copy (directory not empty) and
+    keeps it. With no other copy there, the rename's error is raised. Neither leaves a staging folder."""
     from hf_accel import demo
     from tests.conftest import make_tiny_llama
     from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
@@ -510,37 +512,24 @@ def test_a_demo_whose_rename_loses_to_another_demos_copy_keeps_that_copy(tmp_pat
     name, replace = str(tmp_path / "mine"), os.replace
     target = demo.care_cache_dir(name, 0.5)
 
-    def the_other_demo_lands_first(source, destination):
+    def rename(source, destination):
         if os.fspath(destination) != os.fspath(target):
             return replace(source, destination)
+        if other_demo == "none":
+            raise PermissionError(13, "Permission denied", str(destination))
         shutil.copytree(source, destination)  # its copy, stamped for the same weights
         raise OSError(39, "Directory not empty")
 
-    monkeypatch.setattr(os, "replace", the_other_demo_lands_first)
+    monkeypatch.setattr(os, "replace", rename)
     model = make_tiny_llama(vocab_size=VOCAB_SIZE)
+    if other_demo == "none":
+        with pytest.raises(PermissionError, match="Permission denied"):
+            demo._care_model(name, model, make_char_tokenizer(), 0.5)
+        assert list(target.parent.iterdir()) == []
+        return
     care_model, cached = demo._care_model(name, model, make_char_tokenizer(), 0.5)
     assert cached == target and care_model(torch.tensor([[5, 6, 7]])).logits.isfinite().all()
     assert [p.name for p in cached.parent.iterdir()] == [cached.name]
-
-
-def test_a_demo_whose_rename_fails_with_no_other_copy_reports_it_and_leaves_no_staging_folder(tmp_path, monkeypatch):
-    from hf_accel import demo
-    from tests.conftest import make_tiny_llama
-    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
-
-    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
-    name, replace = str(tmp_path / "mine"), os.replace
-    target = demo.care_cache_dir(name, 0.5)
-
-    def refused(source, destination):
-        if os.fspath(destination) != os.fspath(target):
-            return replace(source, destination)
-        raise PermissionError(13, "Permission denied", str(destination))
-
-    monkeypatch.setattr(os, "replace", refused)
-    with pytest.raises(PermissionError, match="Permission denied"):
-        demo._care_model(name, make_tiny_llama(vocab_size=VOCAB_SIZE), make_char_tokenizer(), 0.5)
-    assert list(target.parent.iterdir()) == []
 
 
 @pytest.mark.parametrize("method", ["vanilla:x", "pld:5"])
