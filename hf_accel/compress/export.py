@@ -100,9 +100,11 @@ def load_converted_state(converted, state: dict, source, converter: str):
     state = {k: as_converted(v, dtype) for k, v in state.items()}
     for name, tensor in state.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            # a 16-bit checkpoint may just not hold a factor; in float32 a factor blew up (a near-singular moment)
+            hint = "convert the model in float32, or " if torch.finfo(dtype).bits < 32 else "convert "
             raise ValueError(
                 f"{converter} conversion produced non-finite values in {name} ({str(dtype).removeprefix('torch.')}); "
-                "convert the model in float32, or with a larger shrinkage alpha"
+                f"{hint}with a larger shrinkage alpha"
             )
     converted.load_state_dict(state, strict=True, assign=True)
     converted.tie_weights()  # assigned, the tied output and input embeddings are two parameters again

@@ -761,6 +761,18 @@ def test_a_calibration_made_by_the_conversion_is_freed_before_the_converted_mode
     assert result.calibration == {"source": "generated", "num_samples": 2, "seq_len": 8, "seed": 0, "tokens": 16}
 
 
+def test_factors_past_float32_s_range_do_not_suggest_converting_in_float32():
+    model = make_tiny("llama")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.fill_(1e38)  # U Σ = 4e38 per entry, past float32's 3.4e38
+    with pytest.raises(ValueError) as error:
+        convert_care(model, kv_keep=0.5, method="svd", progress=False)
+    assert str(error.value) == (
+        "CARE conversion produced non-finite values in model.layers.1.self_attn.k_down.weight (float32); "
+        "convert with a larger shrinkage alpha"
+    )
+
+
 def test_method_care_refuses_a_calibration_without_gradient_moments():
     model = make_tiny("llama")
     calibration = tiny_calibration(model, with_output_grads=False)
