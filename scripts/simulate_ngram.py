@@ -78,6 +78,11 @@ def parse_grid(text: str) -> dict:
     unknown = sorted(set(grid) - {f.name for f in dataclasses.fields(InfinigramConfig)})
     if unknown:
         raise ValueError(f"--grid: unknown InfinigramConfig field(s) {', '.join(unknown)}")
+    for values in itertools.product(*grid.values()):  # a value out of range, before the index is built
+        try:
+            InfinigramConfig(**dict(zip(grid, values)))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"--grid: {err}") from None
     return grid
 
 

@@ -153,6 +153,7 @@ def test_timing_scripts_feed_the_prompts_as_bench_generate_does(script, extra, m
         ('{"priorr": [5]}', "unknown InfinigramConfig field(s) priorr"),
         ('{"prior": 5}', "non-empty lists"),
         ("{prior", "not JSON"),
+        ('{"prior": [5], "min_match": [1, 0]}', "--grid: InfinigramConfig.min_match must be an integer >= 1, got 0"),
     ],
 )
 def test_simulate_ngram_refuses_a_bad_grid_in_one_line(tmp_path, monkeypatch, capsys, grid, message):
