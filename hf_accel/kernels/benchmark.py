@@ -38,10 +38,10 @@ class PaluAttentionBenchConfig:
 
     def __post_init__(self):
         n_kv, n_heads = self.num_key_value_heads, self.num_heads
-        if min(self.group_size, n_kv) < 1 or n_kv % self.group_size or n_heads % n_kv:
+        if min(self.group_size, n_kv, n_heads) < 1 or n_kv % self.group_size or n_heads % n_kv:
             raise ValueError(
                 f"group_size={self.group_size} must be positive and divide num_key_value_heads={n_kv}, which must be "
-                f"positive and divide num_heads={n_heads}."
+                f"positive and divide num_heads={n_heads}, positive too."
             )
 
     @property

@@ -86,8 +86,8 @@ def test_timed_runs_start_from_a_flushed_l2_cache(monkeypatch):
 
 @pytest.mark.parametrize(
     "shape",
-    [{"group_size": 3}, {"num_heads": 12}, {"group_size": 0}, {"num_key_value_heads": 0}],
-    ids=["group-not-dividing", "heads-not-dividing", "zero-group", "zero-kv-heads"],
+    [{"group_size": 3}, {"num_heads": 12}, {"group_size": 0}, {"num_key_value_heads": 0}, {"num_heads": 0}],
+    ids=["group-not-dividing", "heads-not-dividing", "zero-group", "zero-kv-heads", "zero-heads"],
 )
 def test_a_layout_whose_groups_do_not_tile_the_heads_is_refused_in_one_line(shape):
     # a zero group size or KV-head count raised ZeroDivisionError ("integer modulo by zero") from the check itself
