@@ -55,7 +55,7 @@ def allocate_fisher_ranks(scores: Sequence[float], caps: Sequence[int], budget: 
 
     Args:
         scores (sequence of `float`): non-negative importance per target (e.g. per layer K, then V).
-        caps (sequence of `int`): the largest rank of each target (its full width), a multiple of its `multiple`.
+        caps (sequence of `int`): the largest rank of each target (its full width), a multiple of `multiple`.
         budget (`int`): the total rank to hand out, a multiple of `multiple` in `[n · multiple, Σ cap_t]`.
         multiple (`int`, *optional*, defaults to 1): rank granularity of every target (for Palu: number of groups ×
             the per-group rounding).
