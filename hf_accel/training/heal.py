@@ -415,8 +415,12 @@ def _load_models(args: HealingArguments):
         teacher, _ = load_model_and_tokenizer(
             args.teacher_model_name_or_path, trust_remote_code=args.trust_remote_code
         )
-        if teacher.get_output_embeddings().weight.shape[0] != student.get_output_embeddings().weight.shape[0]:
-            raise ValueError("the teacher and the student have different vocabularies; distillation needs one")
+        sizes = [m.get_output_embeddings().weight.shape[0] for m in (teacher, student)]
+        if sizes[0] != sizes[1]:
+            raise ValueError(
+                f"the teacher {args.teacher_model_name_or_path!r} predicts {sizes[0]} tokens and the student "
+                f"{args.model_name_or_path!r} {sizes[1]}: distillation needs one vocabulary"
+            )
     return student.train(), teacher, tokenizer
 
 

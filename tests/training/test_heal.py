@@ -1044,6 +1044,23 @@ def test_a_student_with_peft_adapters_is_refused_before_training(checkpoints, tm
     )
 
 
+def test_a_teacher_with_another_vocabulary_is_refused_in_one_line_naming_both(checkpoints, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_checkpoints import TINY, make_char_tokenizer
+
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": 160})).save_pretrained(tmp_path / "wide")
+    make_char_tokenizer().save_pretrained(tmp_path / "wide")
+    args = _args(checkpoints, tmp_path / "out", teacher_model_name_or_path=str(tmp_path / "wide"), max_steps=1)
+    with pytest.raises(ValueError) as error:
+        run_healing(args)
+    assert str(error.value) == (
+        f"the teacher {str(tmp_path / 'wide')!r} predicts 160 tokens and the student "
+        f"{str(checkpoints['student'])!r} 128: distillation needs one vocabulary"
+    )
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
 def test_packing_keeps_a_last_block_that_ends_the_stream_exactly():
     assert pack_token_ids([[5, 6, 7, 8]], seq_len=2) == [[5, 6], [7, 8]]
     assert pack_token_ids([[5, 6], [7]], seq_len=3, separator_id=2) == [[5, 6, 2]]
