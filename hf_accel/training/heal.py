@@ -455,7 +455,10 @@ def _resume_target(args: HealingArguments):
     if value.lower() in ("true", "last", "latest"):
         last = _last_complete_checkpoint(args.output_dir)
         if last is None:
-            raise ValueError(f"--resume_from_checkpoint {value}: no checkpoint-* directory in {args.output_dir}")
+            raise ValueError(
+                f"--resume_from_checkpoint {value}: no complete {PREFIX_CHECKPOINT_DIR}-N directory (with "
+                f"trainer_state.json) in {args.output_dir}"
+            )
         return last
     if not (Path(value) / "trainer_state.json").is_file():  # before the models load, not after packing the text
         raise ValueError(f"--resume_from_checkpoint {value}: not a Trainer checkpoint (no trainer_state.json)")

@@ -852,6 +852,20 @@ def test_resume_last_skips_an_interrupted_checkpoint(tmp_path):
     assert _last_complete_checkpoint(tmp_path / "missing") is None
 
 
+@pytest.mark.parametrize("value", ["last", "True"])
+def test_resume_last_without_a_complete_checkpoint_is_refused_in_one_line(checkpoints, tmp_path, value):
+    # an interrupted save (no trainer_state.json) is no checkpoint to resume: the message said there was no
+    # checkpoint-* directory at all, beside one
+    out = tmp_path / "out"
+    for made in (False, True):
+        with pytest.raises(ValueError) as error:
+            run_healing(_args(checkpoints, out, resume_from_checkpoint=value))
+        assert str(error.value) == (
+            f"--resume_from_checkpoint {value}: no complete checkpoint-N directory (with trainer_state.json) in {out}"
+        )
+        (out / "checkpoint-2").mkdir(parents=True, exist_ok=True)
+
+
 def _budget_worker(rank, port, results):
     import time
     from types import SimpleNamespace
