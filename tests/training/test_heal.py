@@ -866,6 +866,20 @@ def test_resume_last_without_a_complete_checkpoint_is_refused_in_one_line(checkp
         (out / "checkpoint-2").mkdir(parents=True, exist_ok=True)
 
 
+def test_a_checkpoint_named_by_its_path_and_without_run_settings_resumes(checkpoints, tmp_path):
+    # a checkpoint written before healing_run.json existed is resumed unchecked, here named by its path
+    out = tmp_path / "run"
+    run_healing(_args(checkpoints, out, max_steps=2, save_steps=2, validation_file=None))
+    (out / "checkpoint-2" / "healing_run.json").unlink()
+    resumed = _args(
+        checkpoints, out, max_steps=3, validation_file=None, resume_from_checkpoint=str(out / "checkpoint-2")
+    )
+    assert run_healing(resumed).summary["steps"] == 3
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]  # continued, not started over
+    assert (out / "checkpoint-3" / "healing_run.json").is_file()
+
+
 def _budget_worker(rank, port, results):
     import time
     from types import SimpleNamespace
