@@ -146,7 +146,8 @@ class PerplexityCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
             return
-        previous = read_history(self.history_file) if self.resume else None
+        # a resume without a history (a run started without validation) has no curve to continue, nor to warn about
+        previous = read_history(self.history_file) if self.resume and self.history_file.is_file() else None
         if previous is not None and not same_measurement(previous.get("validation"), self.history["validation"]):
             logger.warning(f"{self.history_file}: measured on other validation settings; the curve starts over")
         elif previous is not None:  # a resumed run keeps the points measured before its checkpoint

@@ -670,6 +670,35 @@ def test_a_history_of_other_settings_is_a_warning_on_the_logger_not_stdout(tmp_p
     assert "the curve starts over" not in capsys.readouterr().out
 
 
+def test_a_resume_without_a_history_file_starts_its_curve_without_a_warning(tmp_path):
+    # a run started without --validation_file and resumed with one has no history yet: it was told that the history
+    # it did not have was measured on other validation settings
+    from types import SimpleNamespace
+
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_accel.log import get_logger
+    from hf_accel.training import monitor
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    history_file = tmp_path / "ppl_history.json"
+    assert monitor.read_history(history_file) == {"reference_ppl": None, "points": []}
+    state = SimpleNamespace(is_world_process_zero=True, global_step=4, num_input_tokens_seen=64)
+    model = make_tiny_llama(vocab_size=VOCAB_SIZE)
+    resumed = monitor.PerplexityCallback(make_char_tokenizer(), HELD_OUT, 1, history_file, seq_len=16, resume=True)
+    with CaptureLogger(get_logger(monitor.__name__)) as logged:
+        resumed.on_train_begin(None, state, None, model=model)
+    assert logged.out == "" and [p["step"] for p in monitor.read_history(history_file)["points"]] == [4]
+    # a history without settings (an older version's) may have been measured otherwise: its curve starts over
+    history_file.write_text(json.dumps({"reference_ppl": None, "points": [{"step": 2, "tokens": 32, "ppl": 9.0}]}))
+    resumed = monitor.PerplexityCallback(make_char_tokenizer(), HELD_OUT, 1, history_file, seq_len=16, resume=True)
+    with CaptureLogger(get_logger(monitor.__name__)) as logged:
+        resumed.on_train_begin(None, state, None, model=model)
+    assert "measured on other validation settings; the curve starts over" in logged.out
+    assert [p["step"] for p in monitor.read_history(history_file)["points"]] == [4]
+
+
 def _merged_lora_weights(result):
     return {k: v for k, v in result.model.state_dict().items() if ".self_attn." in k}
 
