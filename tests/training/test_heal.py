@@ -144,6 +144,10 @@ def test_lora_targets_include_renamed_latent_projections(checkpoints):
     ]
     with pytest.raises(ValueError, match="matches no linear layer"):
         resolve_lora_target_modules(model, "nothing_here")
+    everything = resolve_lora_target_modules(model, "all-linear")  # every linear layer but the LM head
+    assert set(targets) < set(everything) and "model.layers.0.mlp.down_proj" in everything
+    assert len(everything) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) - 1
+    assert "lm_head" not in everything and everything == sorted(everything)
 
 
 @pytest.fixture(scope="module")
@@ -408,6 +412,10 @@ def test_healing_settings_for_the_model_card(tmp_path):
     assert settings["healing_lr_scheduler_type"] == "linear" and "healing_dataset_split" not in settings
     write_model_card(tmp_path, "converted-model", "smollm2-135m", settings={"kv_keep": 0.5, **settings})
     assert "`healing_kd_beta` | `0.5`" in ModelCard.load(tmp_path / "README.md").text
+    full = healing_settings(  # full fine-tuning: LoRA's options shape nothing
+        HealingArguments(output_dir=str(tmp_path), kd_beta=0.0, dataset_name="d", report_to="none", use_lora=False)
+    )
+    assert full["healing_use_lora"] is False and not [k for k in full if k.startswith("healing_lora_")]
 
 
 def test_healing_settings_name_a_local_dataset_without_its_directories(tmp_path):
@@ -699,6 +707,33 @@ def test_a_resume_without_a_history_file_starts_its_curve_without_a_warning(tmp_
     assert [p["step"] for p in monitor.read_history(history_file)["points"]] == [4]
 
 
+@pytest.mark.parametrize("hook", ["on_train_begin", "on_step_end", "on_train_end"])
+def test_perplexity_is_measured_by_the_main_process_only(tmp_path, hook):
+    from types import SimpleNamespace
+
+    from hf_accel.training.monitor import PerplexityCallback
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    history_file = tmp_path / "ppl_history.json"
+    callback = PerplexityCallback(make_char_tokenizer(), HELD_OUT, 1, history_file, seq_len=16, resume=True)
+    state = SimpleNamespace(is_world_process_zero=False, global_step=2, num_input_tokens_seen=32)
+    getattr(callback, hook)(None, state, None, model=make_tiny_llama(vocab_size=VOCAB_SIZE))
+    assert callback.history["points"] == [] and not history_file.exists()
+
+
+def test_time_budget_lets_training_go_on_within_the_budget():
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl
+
+    callback = _time_budget(60)
+    callback.on_train_begin(None, None, None)
+    control = TrainerControl()
+    callback.on_step_end(SimpleNamespace(device=torch.device("cpu"), save_strategy="steps"), None, control)
+    assert not control.should_training_stop and not control.should_save
+
+
 def _merged_lora_weights(result):
     return {k: v for k, v in result.model.state_dict().items() if ".self_attn." in k}
 
@@ -783,6 +818,29 @@ def test_lora_names_the_raw_attention_parameters_it_leaves_frozen():
     model.mlp.scale = nn.Parameter(torch.ones(1))  # beside a non-target: not reported
     targets = resolve_lora_target_modules(model, "attention")
     assert _raw_parameters_beside(model, targets) == ["self_attn.k_up"]
+
+
+def test_lora_warns_that_raw_attention_parameters_stay_as_converted(tmp_path):
+    from peft import PeftModel
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_accel.log import get_logger
+    from hf_accel.training import heal
+    from tests.conftest import make_tiny_llama
+
+    args = HealingArguments(output_dir=str(tmp_path), kd_beta=0.0, dataset_name="d", report_to="none", lora_r=2)
+    with CaptureLogger(get_logger(heal.__name__)) as logged:
+        heal.prepare_student(make_tiny_llama(), args)
+    assert logged.out == ""  # plain linear projections: nothing left out
+    model = make_tiny_llama()
+    model.model.layers[1].self_attn.k_up = torch.nn.Parameter(torch.zeros(2, 4))  # Palu's raw key up-projection
+    with CaptureLogger(get_logger(heal.__name__)) as logged:
+        wrapped = heal.prepare_student(model, args)
+    assert logged.out.startswith(
+        "LoRA adapts linear layers only: 1 parameters held directly by those layers' modules (e.g. "
+        "model.layers.1.self_attn.k_up;"
+    )
+    assert isinstance(wrapped, PeftModel) and not model.model.layers[1].self_attn.k_up.requires_grad
 
 
 def test_train_tokens_count_a_partial_last_batch(checkpoints, tmp_path):
@@ -1141,6 +1199,8 @@ def test_logged_loss_parts_are_per_token_means_under_gradient_accumulation():
     HealingTrainer._record_parts(trainer, accumulated, labels, torch.tensor(24))
     assert trainer._loss_parts["ce"][0].item() == pytest.approx(own.ce.item(), rel=1e-6)
     assert trainer._loss_parts["kd"][0].item() == pytest.approx(own.kd.item(), rel=1e-6)
+    HealingTrainer._record_parts(trainer, own, labels, None)  # not counted by the Trainer: its own per-token mean
+    assert trainer._loss_parts["ce"][1].item() == pytest.approx(own.ce.item(), rel=1e-6)
 
 
 def test_a_healed_card_keeps_the_conversions_settings_kv_bytes_and_ranks_plot(checkpoints, tmp_path):
@@ -1167,6 +1227,58 @@ def test_a_healed_card_keeps_the_conversions_settings_kv_bytes_and_ranks_plot(ch
     assert len(rows) == 6 and all(row in after for row in rows)  # settings and bytes per token, as converted
     assert "`healing_kd_beta` | `0.5`" in after and "care_ranks.png" in after
     assert _carry_conversion_record(source, tmp_path / "plain") == {"ranks_plot": None}  # not converted: nothing
+
+
+def test_a_healed_card_reports_the_validation_perplexity_on_the_files_name(checkpoints, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from hf_accel.training.heal import _write_card
+
+    args = _args(checkpoints, tmp_path, teacher_model_name_or_path="smollm2-135m")
+    _write_card(args, {"ppl": 12.345678, "steps": 4, "train_tokens": 256}, {})
+    (result,) = ModelCard.load(tmp_path / "README.md").data.eval_results
+    assert (result.metric_type, result.metric_value, result.dataset_name) == ("perplexity", 12.3457, "heldout.txt")
+    assert str(checkpoints["root"]) not in (tmp_path / "README.md").read_text()  # published: no local path
+
+
+def test_an_overwrite_removes_an_earlier_runs_card_and_keeps_a_users_readme(tmp_path):
+    from hf_accel.hub import write_model_card
+    from hf_accel.training.heal import _remove_earlier_run
+
+    write_model_card(tmp_path / "ours", "converted-model", "smollm2-135m", settings={"kv_keep": 0.5})
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "README.md").write_text("---\ntags: [mine]\n---\n# my project\n")
+    for out in (tmp_path / "ours", tmp_path / "theirs"):
+        _remove_earlier_run(out)
+    assert not (tmp_path / "ours" / "README.md").exists()
+    assert (tmp_path / "theirs" / "README.md").read_text() == "---\ntags: [mine]\n---\n# my project\n"
+
+
+@pytest.mark.parametrize("given, kept", [("no", "all"), (False, "all"), ("non_padding", "non_padding")])
+def test_healing_counts_input_tokens_unless_told_how(tmp_path, given, kept):
+    # the summary, card and curve report tokens seen: counting is turned on, an explicit way of counting is kept
+    common = {"output_dir": str(tmp_path), "kd_beta": 0.0, "dataset_name": "d", "report_to": "none"}
+    assert HealingArguments(**common, include_num_input_tokens_seen=given).include_num_input_tokens_seen == kept
+
+
+def test_evaluation_scores_the_healing_loss_and_logs_no_training_parts(tmp_path):
+    import datasets
+    from transformers import TrainingArguments
+
+    from hf_accel.training.heal import HealingTrainer
+    from hf_accel.training.losses import compute_healing_loss
+    from tests.conftest import make_tiny_llama
+
+    student, teacher = make_tiny_llama(seed=1), make_tiny_llama(seed=0)
+    ids = torch.randint(4, 97, (4, 16), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_eval_batch_size=4)
+    trainer = HealingTrainer(model=student, args=args, data_collator=PackedBlockCollator(), teacher_model=teacher,
+                             kd_beta=0.5, kd_temperature=4.0)  # fmt: skip
+    metrics = trainer.evaluate(datasets.Dataset.from_dict({"input_ids": ids.tolist()}))
+    with torch.no_grad():
+        expected = compute_healing_loss(student(ids).logits, teacher(ids).logits, ids, 4.0, 0.5).loss
+    assert metrics["eval_loss"] == pytest.approx(expected.item(), rel=1e-5)
+    assert trainer._loss_parts == {"ce": [], "kd": []}  # the logged ce/kd parts are the training batches'
 
 
 def test_a_teacher_sharing_weights_with_the_student_is_refused(tmp_path):
