@@ -75,6 +75,27 @@ def test_window_settings_are_checked_before_anything_runs_and_short_texts_still_
         perplexity_on_ids(model, torch.zeros(1, 8, dtype=torch.long), skip=7)
 
 
+def test_windowed_rows_without_generated_text_and_progress_lines_on_stderr(capsys):
+    # without held-out generated text, a windowed row and its float references have text perplexities only; with
+    # progress, every row is also written as one JSON line on stderr as it is measured, stdout left alone
+    import json
+
+    model, tokenizer = make_tiny_llama(**TINY), make_char_tokenizer()
+    config = PaluBenchConfig(
+        group_sizes=(2,), rank_methods=("uniform",), kv_keeps=(1.0,), bits=(4,), no_hadamard_bits=(),
+        calib_samples=4, calib_seq_len=32, fisher_samples=2, rank_multiple=1, eval_tokens=256, eval_seq_len=64,
+        care_methods=("care",), residual_lengths=(4,), window_bytes_context=96,
+    )  # fmt: skip
+    report = run_palu_quality_benchmark(model, tokenizer, CALIB_TEXT[:20000], CALIB_TEXT[20000:], config, True)
+    windowed = report["rows"][2]
+    assert windowed["residual_length"] == 4 and not [k for k in windowed if "generated" in k]
+    assert windowed["float_base_ppl_text"] == pytest.approx(windowed["float_ppl_text"], rel=1e-4)  # full rank
+    assert "| 4 + 4 fp (float there: " in format_palu_table(report)
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert lines == [{"base": report["base"], **report["timings"]}, *report["rows"]] and out == ""
+
+
 def test_bench_palu_script_refuses_an_unknown_care_method_before_running(capsys):
     # CARE rows run after the whole Palu grid: a misspelt method must fail at parse time, not hours later
     import runpy
