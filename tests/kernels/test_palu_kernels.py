@@ -147,6 +147,19 @@ def test_rope_reference_rejects_bad_shapes():
         get_kernel("rope_key_scores")(query[..., :7], latent, up_proj[..., :14], positions, inv_freq[:3])
 
 
+@pytest.mark.parametrize("backend", ["eager", pytest.param("triton", marks=require_triton)])
+def test_kernels_on_empty_latents_return_empty_results(backend):
+    # no cached token: scores [B, H, q, 0] and rebuilt rows [B, G, 0, N]; the eager scores failed to reshape
+    query, latent, up_proj, positions, inv_freq = (t.to(DEVICE) for t in _rope_inputs(seq_len=0))
+    scores = get_kernel("rope_key_scores", backend)
+    for latents in (latent, quantize_per_token(latent, 3)):
+        out = scores(query, latents, up_proj, positions, inv_freq)
+        assert out.shape == (2, 4, 1, 0) and out.dtype == torch.float32 and out.device == query.device
+    packed = _quantized(seq_len=0).apply(lambda t: t.to(DEVICE))
+    out = get_kernel("dequantize_matmul", backend)(packed, torch.randn(2, 24, 20, device=DEVICE))
+    assert out.shape == (2, 2, 0, 20) and out.dtype == torch.float32
+
+
 def _quantized(batch=2, groups=2, seq_len=9, rank=24, bits=3, group_size=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return quantize_per_token(torch.randn(batch, groups, seq_len, rank, generator=gen) * 3, bits, group_size)
