@@ -119,6 +119,23 @@ def test_chunked_prefill_with_a_hole_in_the_attention_mask_matches_the_uncached_
     torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(uncached.logits), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("module", ["modeling_palu", "modeling_care"])  # each checkpoint ships its own copy
+def test_a_chunk_without_a_2d_mask_of_the_whole_sequence_gets_no_key_positions(module):
+    # a chunk's position ids alone do not say where the cached tokens are: the 2D mask up to the chunk's end does;
+    # without one (none, a 4D mask, or another length) the model infers them, the cache being contiguous
+    import importlib
+    from types import SimpleNamespace
+
+    positions = importlib.import_module(f"hf_accel.models.{module}")._generation_key_positions
+    cache, chunk = SimpleNamespace(get_seq_length=lambda: 4), torch.tensor([[3, 4, 5, 6]])
+    everything = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])  # generate's, for the whole prompt
+    mask = torch.tensor([[1, 0, 1, 1, 1, 1, 1, 1]])  # a hole: the chunk is at positions 3..6, not 4..7
+    assert torch.equal(positions(everything, cache, chunk, mask), torch.tensor([[0, 0, 1, 2, 3, 4, 5, 6]]))
+    assert positions(everything, cache, torch.tensor([[4, 5, 6, 7]]), mask) is None  # they disagree
+    for other in (None, mask[:, :7], mask[:, None, None].float(), torch.cat([mask, mask[:, :1]], dim=-1)):
+        assert positions(everything, cache, chunk, other) is None
+
+
 def _decode_logits(model, cache, tokens, start):
     logits = []
     for i, token in enumerate(tokens):
