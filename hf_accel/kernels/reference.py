@@ -75,9 +75,8 @@ def rope_key_scores(
     batch, groups, seq_len, _ = latent_keys.shape
     head_dim = query_states.shape[-1]
     keys = latent_keys.float() @ up_proj.float()  # [B, G, S, s·d]
-    keys = keys.view(batch, groups, seq_len, num_key_value_heads // groups, head_dim).transpose(
-        2, 3
-    )  # [B, G, s, S, d]
+    keys = keys.view(batch, groups, seq_len, num_key_value_heads // groups, head_dim)  # [B, G, S, s, d]
+    keys = keys.transpose(2, 3)  # [B, G, s, S, d]
     keys = keys.reshape(batch, num_key_value_heads, seq_len, head_dim)
     freqs = key_positions.float()[:, None, :, None] * inv_freq.float()  # [B, 1, S, d/2]
     cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
