@@ -436,9 +436,14 @@ def write_custom_generate(output_dir: str | Path, drafter: str, artifact: str) -
     (folder / "requirements.txt").write_text(f"hf-accel>={version('hf-accel')}\n", encoding="utf-8")
 
 
+def _constant_line(name: str) -> re.Pattern:
+    """The top-level line `NAME = ...` of a module's source."""
+    return re.compile(rf"^{name} = .*$", re.MULTILINE)
+
+
 def _set_constant(source: str, name: str, value: str) -> str:
     """`source` with its top-level line `NAME = ...` replaced by `NAME = 'value'`."""
-    pattern = re.compile(rf"^{name} = .*$", re.MULTILINE)
+    pattern = _constant_line(name)
     if len(pattern.findall(source)) != 1:
         raise ValueError(f"expected one top-level `{name} = ...` line in custom_generate/generate.py")
     return pattern.sub(lambda _: f"{name} = {value!r}", source)
@@ -452,7 +457,7 @@ def _published_bytes(path: Path, folder: Path, repo_id: str) -> bytes | Path:
     name = path.relative_to(folder).as_posix()
     if name == "custom_generate/generate.py":
         source = path.read_text(encoding="utf-8")
-        if not re.search(r"^ARTIFACT = ", source, flags=re.MULTILINE):
+        if not _constant_line("ARTIFACT").search(source):
             return path
         return _set_constant(source, "ARTIFACT", repo_id).encode()
     if name == "README.md":

@@ -41,6 +41,7 @@ from .ranks import budget_from_kv_keep, raw_sigma_gains, relative_energy_gains, 
 
 
 METHODS = ("care", "care-u", "care-e-raw", "care-e-rel", "svd", "asvd")
+UNIFORM_RANK_METHODS = ("svd", "asvd", "care-u")  # the others water-fill
 # model_type of the original → (config class, causal LM class, bare decoder class), in
 # hf_accel/models/{configuration,modeling}_care.py
 FAMILIES = {
@@ -77,7 +78,7 @@ class CareConversionConfig:
         check_shrinkage(self.alpha, self.lam_frac)
         if not 0.0 <= self.rank_floor_frac <= self.kv_keep:  # floors above the budget: water-filling has no solution
             raise ValueError(f"rank_floor_frac must be in [0, kv_keep={self.kv_keep}], got {self.rank_floor_frac}")
-        if self.rank_floor_frac and self.method in ("svd", "asvd", "care-u"):
+        if self.rank_floor_frac and self.method in UNIFORM_RANK_METHODS:
             raise ValueError(f"rank_floor_frac applies to water-filled ranks; method {self.method!r} has uniform ones")
 
 
@@ -162,7 +163,7 @@ def allocate_ranks(
     """
     widths, caps = _widths_and_caps(factors)
     sigmas = [f.sigma for pair in factors for f in pair]
-    if method in ("svd", "asvd", "care-u"):
+    if method in UNIFORM_RANK_METHODS:
         ranks = uniform_ranks(widths, kv_keep, caps)
     else:
         if method == "care-e-raw":

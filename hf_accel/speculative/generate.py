@@ -435,8 +435,10 @@ def assisted_generate(
         drafter.last_stats = None  # an earlier `custom_generate` call's: transformers' loop keeps no such statistics
     streamer = streamer if streamer is not None else _generate_argument("streamer")
     prompt_mask = model_kwargs.get("attention_mask")  # the drafter sees the prompt's padding as the engine shows it
+    if prompt_mask is None:
+        prompt_mask = torch.ones_like(input_ids)
     if hasattr(drafter, "begin"):
-        drafter.begin(input_ids, torch.ones_like(input_ids) if prompt_mask is None else prompt_mask, generation_config)
+        drafter.begin(input_ids, prompt_mask, generation_config)
     candidate_generator = DrafterCandidateGenerator(
         drafter,
         generation_config,
@@ -449,7 +451,7 @@ def assisted_generate(
     if generation_config.do_sample:
         # transformers samples every candidate position of a pass at once, so the randomness a pass takes from torch's
         # generator depends on the draft's length: sample per position instead, by a greedy pick of the noised scores
-        padding = 0 if prompt_mask is None else int((prompt_mask[0] == 0).sum())
+        padding = int((prompt_mask[0] == 0).sum())
         logits_processor = LogitsProcessorList([*(logits_processor or []), _PositionSampling(padding)])
         generation_config = copy.copy(generation_config)
         generation_config.do_sample = False
