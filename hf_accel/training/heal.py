@@ -264,8 +264,11 @@ class HealingTrainer(Trainer):
             self._record_parts(out, labels, num_items_in_batch)
         loss = out.loss
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            # num_items_in_batch counts every process's tokens; DDP averages gradients: undo that mean (as Trainer).
-            loss = loss * self.accelerator.num_processes
+            # num_items_in_batch counts every data-parallel process's tokens once (tensor-parallel ranks share a batch)
+            # and DDP averages gradients over those processes: undo that mean, with Trainer.compute_loss's divisor.
+            # Not Trainer's `n_gpu` factor for DataParallel: this loss is taken over the batch gathered from every
+            # replica, not averaged over per-replica losses.
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         return (loss, outputs) if return_outputs else loss
 
     def _record_parts(self, out, labels, num_items_in_batch) -> None:

@@ -1300,3 +1300,27 @@ def test_a_teacher_sharing_weights_with_the_student_is_refused(tmp_path):
     HealingTrainer(model=student, args=args, teacher_model=copy.deepcopy(source))
     student.requires_grad_(False)  # nothing trained is shared (e.g. LoRA adapters only): nothing to refuse
     HealingTrainer(model=student, args=args, teacher_model=source)
+
+
+def test_the_loss_undoes_the_data_parallel_gradient_mean_as_trainer_does(tmp_path, monkeypatch):
+    """With `num_items_in_batch` counting the tokens of every data-parallel process, the loss is scaled by the number
+    of those processes: the processes divided by the tensor-parallel size (its ranks share one batch), as in
+    `Trainer.compute_loss`; it scaled by every process before."""
+    from transformers import TrainingArguments
+
+    from hf_accel.training.heal import HealingTrainer
+    from hf_accel.training.losses import compute_healing_loss
+    from tests.conftest import make_tiny_llama
+
+    student = make_tiny_llama(seed=1)
+    ids = torch.randint(4, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    trainer = HealingTrainer(model=student, args=args, kd_beta=0.0)
+    with torch.no_grad():
+        expected = compute_healing_loss(student(ids).logits, None, ids, 4.0, 0.0, num_items_in_batch=60).loss
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 4))
+    for tp_size, factor in [(1, 4), (2, 2), (4, 1)]:
+        monkeypatch.setattr(trainer, "get_tp_size", lambda tp_size=tp_size: tp_size)
+        with torch.no_grad():
+            loss = trainer.compute_loss(student, {"input_ids": ids, "labels": ids}, num_items_in_batch=60)
+        assert loss.item() == pytest.approx(factor * expected.item(), rel=1e-6)
