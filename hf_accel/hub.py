@@ -305,9 +305,13 @@ def write_model_card(
     ratio = None
     if kv_bytes_per_token and base_kv_bytes_per_token:
         ratio = kv_bytes_per_token / base_kv_bytes_per_token
+    template = Path(template_dir or HUB_CARDS_DIR) / spec.template
+    if not template.is_file():
+        where = "" if template_dir else " (hf-accel's hub_cards/ is not installed: reinstall hf-accel)"
+        raise FileNotFoundError(f"no model-card template {template}{where}")
     card = ModelCard.from_template(
         card_data,
-        template_path=str(Path(template_dir or HUB_CARDS_DIR) / spec.template),
+        template_path=str(template),
         model_name=_one_line(name),
         repo_id=repo_id or _placeholder_repo_id(name),
         base_model=card_data.base_model,
@@ -345,6 +349,20 @@ def _auto_map_files(config) -> set[str]:
 _PALU_KERNELS_SHIM = (Path(__file__).parent / "models" / "palu_kernels.py").resolve()
 
 
+def _relative_import_files(path: Path) -> list[str]:
+    """The files `path` imports relatively, recursively (transformers' own walk), or a one-line error naming the one
+    that is not there."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    try:
+        return get_relative_import_files(str(path))
+    except FileNotFoundError as err:
+        missing = Path(err.filename).name
+        raise FileNotFoundError(
+            f"{path.name} needs {missing} (a relative import), but it is not in {path.parent}"
+        ) from None
+
+
 def copy_remote_code(model, output_dir: str | Path, source_dir: str | Path | None = None) -> list[str]:
     """Copies the modeling/configuration files that a trust_remote_code model's `auto_map` names into `output_dir`.
 
@@ -355,32 +373,29 @@ def copy_remote_code(model, output_dir: str | Path, source_dir: str | Path | Non
     Returns:
         `list[str]`: the names of the files copied.
     """
-    from transformers.dynamic_module_utils import get_relative_import_files
-
     output_dir = Path(output_dir)
     search = [Path(inspect.getfile(type(model))).parent]
     if source_dir is not None and Path(source_dir).is_dir():
         search.append(Path(source_dir))
-    sources = []  # every file found before any is copied: a missing one leaves `output_dir` as it was
+    sources = {}  # every file and the modules it imports found before any is copied: a missing one changes nothing
     for name in sorted(_auto_map_files(model.config)):
         if (output_dir / name).is_file():
             continue
         found = next((d / name for d in search if (d / name).is_file()), None)
         if found is None:
             raise FileNotFoundError(f"auto_map names {name}, but it is in none of {[str(d) for d in search]}")
-        sources.append(found)
+        for path in [found, *map(Path, _relative_import_files(found))]:
+            if not (output_dir / path.name).is_file():
+                sources.setdefault(path.name, path)
     copied = []
-    for found in sources:
-        for path in [found, *map(Path, get_relative_import_files(str(found)))]:
-            if (output_dir / path.name).is_file():
-                continue
-            if path.resolve() == _PALU_KERNELS_SHIM:  # imports hf_accel: write the self-contained version instead
-                from .compress.palu import write_palu_kernels_file
+    for name, path in sources.items():
+        if path.resolve() == _PALU_KERNELS_SHIM:  # imports hf_accel: write the self-contained version instead
+            from .compress.palu import write_palu_kernels_file
 
-                write_palu_kernels_file(output_dir / path.name)
-            else:  # a new file's permissions: a read-only install's would make it read-only
-                shutil.copyfile(path, output_dir / path.name)
-            copied.append(path.name)
+            write_palu_kernels_file(output_dir / name)
+        else:  # a new file's permissions: a read-only install's would make it read-only
+            shutil.copyfile(path, output_dir / name)
+        copied.append(name)
     return copied
 
 

@@ -973,6 +973,12 @@ def test_remote_code_is_copied_once_with_the_modules_it_imports_and_a_missing_on
     assert len(str(err.value).splitlines()) == 1 and str(err.value).startswith("auto_map names tokenization_x.py")
     assert str(code) in str(err.value)
     assert list((tmp_path / "other").iterdir()) == []  # nothing copied before the missing file was found
+    del model.config.auto_map["AutoTokenizer"]
+    (code / "shared_x.py").write_text("from .helpers_x import Z\n")  # imported by both, through configuration_x
+    with pytest.raises(FileNotFoundError) as err:
+        copy_remote_code(model, tmp_path / "other", code)
+    assert str(err.value) == f"configuration_x.py needs helpers_x.py (a relative import), but it is not in {code}"
+    assert list((tmp_path / "other").iterdir()) == []
 
 
 def test_the_cache_writer_copies_blobs_where_links_cannot_be_made(tmp_path, monkeypatch):
@@ -1028,3 +1034,16 @@ def test_a_custom_template_written_against_eval_results_still_gets_them(tmp_path
     result = {"metric_type": "perplexity", "metric_value": 9.5, "dataset_name": "wiki"}
     write_model_card(tmp_path / "out", "converted-model", "org/base", eval_results=[result], template_dir=templates)
     assert "perplexity=9.5" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_missing_model_card_template_is_one_line_naming_it(tmp_path, monkeypatch):
+    """An install without hf-accel's `hub_cards/` (a wheel's data files dropped by a repackager) wrote no card and
+    raised the template reader's error; it now says what is missing and, for the shipped templates, what to do."""
+    from hf_accel import hub
+
+    monkeypatch.setattr(hub, "HUB_CARDS_DIR", tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"^no model-card template .*nowhere.*reinstall hf-accel\)$"):
+        hub.write_model_card(tmp_path / "out", "converted-model", "org/base")
+    with pytest.raises(FileNotFoundError, match=r"^no model-card template .*mine\W+converted_model.md$"):
+        hub.write_model_card(tmp_path / "out", "converted-model", "org/base", template_dir=tmp_path / "mine")
+    assert not (tmp_path / "out" / "README.md").exists()
