@@ -405,6 +405,18 @@ def check_draft_ids(draft_ids: torch.Tensor, vocab_size: int | None) -> None:
         )
 
 
+def check_hidden_layers(layers, count: int) -> None:
+    """Refuses in one line hidden-state indices (`requires_hidden_states`) outside the target's `count` states (the
+    embeddings, then one per layer): a drafter built for a deeper target (SpecFormer's hooks `(0, 17, -2, -1)` of a
+    36-layer model) failed with an IndexError inside the prefill."""
+    missing = [i for i in layers if not -count <= i < count]
+    if missing:
+        raise ValueError(
+            f"the drafter asks for hidden states {missing} (`requires_hidden_states`), the target has {count} (its "
+            f"embeddings and {count - 1} layers); was the drafter built for another model?"
+        )
+
+
 def _has_sliding_layers(cache) -> bool:
     return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
 
@@ -486,6 +498,7 @@ class SpeculativeEngine:
         )  # fmt: skip
         outputs.logits = outputs.logits.to(home)
         if outputs.hidden_states is not None:  # only the layers the drafter reads come back
+            check_hidden_layers(self.hidden_layers, len(outputs.hidden_states))
             wanted = {i % len(outputs.hidden_states) for i in self.hidden_layers}
             outputs.hidden_states = tuple(
                 h.to(home) if i in wanted else h for i, h in enumerate(outputs.hidden_states)

@@ -1144,6 +1144,18 @@ def test_hidden_states_are_the_committed_positions_in_order_at_the_prefill_too(t
         torch.testing.assert_close(torch.cat(history[row]), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_hidden_states_the_target_does_not_have_are_refused_in_one_line(tiny_llama):
+    """A drafter built for a deeper target (SpecFormer's hooks `(0, 17, -2, -1)` of a 36-layer Qwen3) asks this
+    2-layer model (3 hidden states) for layers it has not: one line naming them, not an IndexError in the prefill."""
+
+    class DeepHooks(ReferenceDrafter):
+        requires_hidden_states = (0, 17, -4, -1)
+
+    with pytest.raises(ValueError, match=r"hidden states \[17, -4\] \(`requires_hidden_states`\), the target has 3 "):
+        tiny_llama.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, custom_generate=custom_generate,
+                            drafter=DeepHooks(torch.zeros(1, 12, dtype=torch.long)))  # fmt: skip
+
+
 def test_each_row_is_verified_against_its_own_draft_probabilities():
     """Rows draft different tokens from different point masses: a row's draft of `x` (probability 1 under its own
     `q`) is accepted with probability `p(x)`, not 1 as under another row's `q` that gives `x` no mass. Oracle: the
