@@ -3,6 +3,7 @@
 import copy
 import functools
 import random
+import time
 
 import pytest
 import torch
@@ -106,6 +107,24 @@ def test_per_call_statistics_count_passes_and_tokens_bonus_included(tiny_llama):
     assert stats["accepted_histogram"] == {"1": 3 * 20} and stats["mean_accepted"] == 1.0
     assert stats["target_forward_passes"] == 21 and stats["draft_nodes"] == 0
     assert torch.equal(drafted, reference) and torch.equal(plain, reference)
+
+
+def test_a_drafters_update_counts_as_drafter_time(tiny_llama):
+    """CP heads and SpecFormer draft in `update`, from the pass's hidden states: that time is the drafter's, not the
+    verification's (`scripts/generate_time_split.py` reported it as engine overhead). Each update here takes 20 ms."""
+    input_ids, attention_mask = _ragged_batch(2)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 6, "do_sample": False}
+    reference = tiny_llama.generate(**kwargs)
+
+    class SlowUpdate(ReferenceDrafter):
+        def update(self, result):
+            time.sleep(0.02)
+            super().update(result)
+
+    drafter = SlowUpdate(reference)
+    stats = tiny_llama.generate(**kwargs, custom_generate=custom_generate, drafter=drafter).speculative_stats
+    assert stats.drafter_time_s >= 0.02 * len(drafter.results)
+    assert stats.total_time_s >= stats.drafter_time_s + stats.verify_time_s and stats.verify_time_s > 0
 
 
 def test_eos_mid_draft_and_rows_finishing_at_different_times():
