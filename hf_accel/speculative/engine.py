@@ -18,9 +18,13 @@ A drafter is any object with a `propose(request: DraftRequest) -> DraftTree | No
 - `propose(request)`: returns a [`~hf_accel.speculative.tree.DraftTree`] for the rows in `request.rows` (a chain is
   a tree), or `None` for "no draft this step" (the step is then a plain decoding step).
 - `update(result: VerifyResult)`: called after the prefill (`result.is_prefill`) and after every verification
-  pass, with the tokens committed per row, the accepted nodes, and what the capability attributes asked for.
+  pass, with the tokens committed per row, the accepted nodes, and what the capability attributes asked for. Rows
+  with `result.finished` leave the batch right after this call: later requests and results hold only the others, in
+  the same order, each named by its original batch index in `rows` (keep per-row state by that index, and drop the
+  finished rows' state here).
 - `requires_hidden_states` (`tuple[int, ...]`, default `()`): indices into the model's `hidden_states` output
-  (e.g. `(-1,)` for the last layer, `(0, L // 2, -2, -1)` for SpecFormer); the engine runs the target with
+  (e.g. `(-1,)` for the last layer, `(0, L // 2, -2, -1)` for SpecFormer; `VerifyResult.hidden_states` is keyed by
+  them as given; one the target has not is refused); the engine runs the target with
   `output_hidden_states=True` and hands back those layers at the committed positions, in order and padded on the
   right (the real prompt positions at the prefill; root + accepted nodes after a verification pass): the same
   layout every time, so CP heads read `[b, path_length[b] - 1]` of layer `-1`, and SpecFormer appends
@@ -211,9 +215,10 @@ class VerifyResult:
         aux_logits (`torch.FloatTensor` of shape `(num_active, num_aux, vocab_size)`, *optional*): raw logits at the
             auxiliary nodes (at the prefill: those of `propose_prefill`).
         is_prefill (`bool`): whether this result comes from the prefill.
-        num_input_tokens (`int`): tokens fed to the target in this pass (`num_active * (1 + nodes + aux)`).
+        num_input_tokens (`int`): tokens fed to the target in this pass (`num_active * (1 + nodes + aux)`); `0` at the
+            prefill, which is not timed.
         pass_seconds (`float`): wall time of the pass: the target's forward, acceptance, commit and cache rollback
-            (what a drafter's cost model should weigh a draft against, see `cost.py`).
+            (what a drafter's cost model should weigh a draft against, see `cost.py`); `0.0` at the prefill.
     """
 
     rows: torch.LongTensor

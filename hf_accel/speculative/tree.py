@@ -44,6 +44,8 @@ class DraftTree:
             Parent of each auxiliary node, in the joint numbering `[draft nodes; aux nodes]` (`-1` = root). An aux
             node attends to the cache, its ancestors and itself, and sits at position `parent position + 1`, at most
             at depth `request.max_depth` (as draft nodes; deeper aux logits predict tokens no pass can commit).
+            Every row has `num_aux` of them and there is no mask: a row that needs fewer (PPD's trees differ per row)
+            pads with any, e.g. one prompt token under the root (`-1`), and does not read their logits.
     """
 
     input_ids: torch.LongTensor

@@ -140,6 +140,34 @@ def test_eos_mid_draft_and_rows_finishing_at_different_times():
     assert torch.equal(out, reference)
 
 
+def test_finished_rows_leave_right_after_the_update_that_reports_them():
+    """The protocol's promise to drafters that keep per-row state (CP heads' last hidden state, PPD's guesses,
+    SpecFormer's history): after an update, the next request and result hold exactly the rows not finished yet, in
+    the same order, named by their original batch index."""
+    model = make_tiny_llama()
+    input_ids, attention_mask = _ragged_batch(4, seed=3)
+    free = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 20, "do_sample": False,
+              "eos_token_id": int(free[0, input_ids.shape[1] + 5]), "pad_token_id": 0}  # fmt: skip
+    reference = model.generate(**kwargs)
+
+    class RowKeeper(ReferenceDrafter):
+        def propose(self, request):
+            assert request.rows.tolist() == self.remaining
+            self.seen.append(len(self.remaining))
+            return super().propose(request)
+
+        def update(self, result):
+            assert self.remaining is None or result.rows.tolist() == self.remaining
+            self.remaining = [row for row, done in zip(result.rows.tolist(), result.finished.tolist()) if not done]
+            super().update(result)
+
+    drafter = RowKeeper(free, depth=4)
+    drafter.remaining, drafter.seen = None, []
+    assert torch.equal(model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
+    assert drafter.remaining == [] and len(set(drafter.seen)) > 2  # rows left at different passes
+
+
 def test_max_new_tokens_and_max_length_mid_draft(tiny_llama):
     input_ids, attention_mask = _ragged_batch(2)
     for limit in ({"max_new_tokens": 5}, {"max_length": input_ids.shape[1] + 3}):
