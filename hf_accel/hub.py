@@ -510,6 +510,11 @@ def save_artifact(
     """
     from .atomic import staged_files
 
+    if model is not None and not callable(getattr(model, "save_pretrained", None)):
+        raise TypeError(
+            f"model must have save_pretrained(dir) (a PreTrainedModel, a PeftModel, a huggingface_hub "
+            f"PyTorchModelHubMixin module); a {type(model).__name__} has none"
+        )
     base_model = hub_base_model(base_model)
     # The card is written last, once the files are in: its arguments (kind, image, evaluation results, the keywords
     # themselves) are checked first, by rendering it where nothing is kept, so that a bad one leaves no new files

@@ -309,6 +309,14 @@ def test_save_artifact_is_atomic_and_adds_to_an_existing_directory(tmp_path):
     assert "# artifact" in card and "(ranks.png)" in card  # titled after the directory, not the temporary one
 
 
+def test_a_model_without_save_pretrained_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    """A drafter's heads as a plain `nn.Module` failed inside the staging with an AttributeError."""
+    with pytest.raises(TypeError) as err:
+        save_artifact(tmp_path / "heads", "drafter-adapter", "org/base", model=torch.nn.Linear(2, 2))
+    assert len(str(err.value).splitlines()) == 1 and str(err.value).endswith("a Linear has none")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize(
     "bad_card",
     [
