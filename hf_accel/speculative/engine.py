@@ -57,7 +57,8 @@ padding; once holes fill 1/8 of the cache, every row's valid slots are moved, in
 Finished rows are removed from the batch (cache rows dropped) instead of being carried along as padding. A model that
 RoPEs *cached* keys at attention time (latent caches: CARE, Palu) cannot tell a slot's position from its index once
 there are holes; if it sets `_accepts_key_positions = True`, each pass also gets `key_positions`
-`[B, cache + new]`, the position of every slot (holes: any value, they are masked).
+`[B, cache + new]`, the position of every slot (holes: any value, they are masked). CARE and Palu checkpoints
+converted before that attribute existed infer positions from slots: for them holes are closed after every pass.
 
 ## Sliding windows
 
@@ -460,6 +461,7 @@ class SpeculativeEngine:
         self.noise_seed = int(torch.randint(2**31, ())) if self.do_sample else 0
         self.hidden_layers = tuple(getattr(drafter, "requires_hidden_states", ()) or ())
         self.window, self.mask_per_layer_type = attention_window(model.config)
+        self.positions_from_slots = infers_positions_from_slots(model)
         self.stats = SpeculativeStats()
 
     # ----------------------------------------------------------------------------------------------- decoding loop
@@ -793,11 +795,24 @@ class SpeculativeEngine:
             state.next_position = state.next_position[keep]
             if len(keep):
                 select_cache_rows(cache, keep)
-        _close_holes(state, cache)
+        _close_holes(state, cache, every_hole=self.positions_from_slots)
 
 
-def _close_holes(state, cache) -> None:
-    """Moves each row's valid cache slots, in order, to the end of the cache once holes fill 1/8 of it.
+def infers_positions_from_slots(model) -> bool:
+    """Whether `model` RoPEs cached keys at positions it infers from cache slots (slot `j` of `S` at
+    `position_ids[:, 0] - S + j`), so that a hole between slots shifts every key before it: CARE and Palu checkpoints
+    converted before `key_positions` existed run their own modeling code, which does (those of one version say so with
+    `_supports_cache_holes = False`, the older ones say nothing)."""
+    if getattr(model, "_accepts_key_positions", False):
+        return False
+    model_type = str(getattr(model.config, "model_type", ""))
+    return getattr(model, "_supports_cache_holes", True) is False or model_type.startswith(("care_", "palu_"))
+
+
+def _close_holes(state, cache, every_hole: bool = False) -> None:
+    """Moves each row's valid cache slots, in order, to the end of the cache once holes fill 1/8 of it, or with
+    `every_hole` once any row has one after its first valid slot (a model that infers cached positions from slots:
+    [`infers_positions_from_slots`]).
 
     Every pass appends the batch's longest accepted path to every row, so rows that accept less leave holes, and the
     cache grows faster than any row's text: attention, the mask and the cache's own concatenation grow with it (on CPU,
@@ -809,7 +824,10 @@ def _close_holes(state, cache) -> None:
         return
     length = state.past_mask.shape[1]
     kept = int(state.past_mask.sum(-1).max())
-    if length - kept < max(1, length // 8):
+    if every_hole:  # a hole after a row's first valid slot, which a slot-counting model would take for a token
+        if not (state.past_mask.int().cummax(dim=1).values.bool() & ~state.past_mask).any():
+            return
+    elif length - kept < max(1, length // 8):
         return
     # a stable sort puts a row's holes (0) first and its valid slots (1) last, each in slot order
     valid, order = torch.sort(state.past_mask.to(torch.int8), dim=1, stable=True)

@@ -197,3 +197,26 @@ def test_prefill_auxiliary_inputs_on_converted_models(kind):
     assert [len(tokens) for tokens in drafter.results[1].new_tokens] == [3, 3, 3]  # both guesses, then the bonus
     expected = prefill_aux_logits_alone(model, input_ids, attention_mask, aux_tokens)
     torch.testing.assert_close(drafter.results[0].aux_logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("declares", ["nothing", "no_cache_holes"])
+def test_checkpoints_converted_before_key_positions_stay_identical_in_ragged_batches(declares, monkeypatch):
+    """A CARE or Palu checkpoint converted before `key_positions` runs its own modeling code, which takes cached slot
+    `j` of `S` to be at `position_ids[:, 0] - S + j` (older ones declare nothing, one version
+    `_supports_cache_holes = False`): the engine keeps every row's slots contiguous for it, since a hole would shift
+    the RoPE of every key before it (greedy output changed)."""
+    from tests.speculative.test_engine import SkewedDrafter
+
+    tiny = make_tiny("qwen3")
+    model = convert_care(tiny, kv_keep=0.5, calibration=tiny_calibration(tiny), progress=False)
+    monkeypatch.setattr(type(model), "_accepts_key_positions", False)  # the old code: positions from slots
+    if declares == "no_cache_holes":
+        monkeypatch.setattr(type(model.config), "model_type", "renamed")
+        monkeypatch.setattr(type(model), "_supports_cache_holes", False, raising=False)
+    input_ids, attention_mask = engine_ragged_batch(3)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 30, "do_sample": False}
+    reference = model.generate(**kwargs, pad_token_id=0)
+    out = model.generate(
+        **kwargs, pad_token_id=0, custom_generate=custom_generate, drafter=SkewedDrafter(reference, depth=5)
+    )
+    assert torch.equal(out, reference)

@@ -1357,9 +1357,9 @@ def count_hole_closings(monkeypatch) -> list:
 
     closed, close = [], engine._close_holes
 
-    def spy(state, cache):
+    def spy(state, cache, **kwargs):
         before = state.past_mask.shape[1]
-        close(state, cache)
+        close(state, cache, **kwargs)
         if len(state.rows) and state.past_mask.shape[1] < before:
             closed.append(before - state.past_mask.shape[1])
 
