@@ -224,7 +224,7 @@ class PaluQuantizedLayer(DynamicLayer):
         return torch.cat([scores[..., : total - width], tail], dim=-1)
 
     def attend_values(
-        self, probs: torch.Tensor, key_positions: torch.LongTensor, backend: str = "eager"
+        self, probs: torch.Tensor, key_positions: torch.LongTensor | None = None, backend: str = "eager"
     ) -> torch.Tensor:
         """
         `probs · V̂` against the cached value latents, without dequantizing them to memory (spec 002 §3.2).
@@ -232,8 +232,10 @@ class PaluQuantizedLayer(DynamicLayer):
         Args:
             probs (`torch.Tensor` of shape `[batch, num_heads, q_len, seq_len]`): attention probabilities; query head
                 `h` reads latent group `h // (num_heads / groups)`.
-            key_positions (`torch.LongTensor` of shape `[batch, seq_len]`): positions of every cached token (the last
-                `q_len` are the queries'), for the window rule, as in [`key_scores`].
+            key_positions (`torch.LongTensor` of shape `[batch, seq_len]`, *optional*): positions of every cached token
+                (the last `q_len` are the queries'), for the window rule, as in [`key_scores`]; needed with a window
+                only. Palu checkpoints converted before commit 6e23d05 take this class from an installed hf_accel
+                and call it without them.
             backend (`str`, *optional*, defaults to `"eager"`): kernel backend, see [`get_kernel`].
 
         Returns:
@@ -245,6 +247,11 @@ class PaluQuantizedLayer(DynamicLayer):
         width = self.window_length
         if width == 0:
             return attend(probs, self.quantized_values)
+        if key_positions is None:
+            raise ValueError(
+                "this Palu checkpoint's modeling code reads its full-precision window by slot, not by position (it "
+                "was converted by an older hf-accel); convert the model again with `hf-accel convert palu`"
+            )
         batch, num_heads, q_len, total = probs.shape
         use_float = self._float_mask(key_positions[:, total - q_len :])[:, None]  # [B, 1, q, W]
         tail = probs[..., total - width :]

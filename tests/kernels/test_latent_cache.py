@@ -356,6 +356,22 @@ def test_tokens_appended_without_positions_are_read_from_codes():
     torch.testing.assert_close(layer.attend_values(probs, positions), probs @ _qdq(v), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("residual_length", [0, 2])
+def test_checkpoints_older_than_the_sources_hash_read_values_without_positions(residual_length):
+    # a Palu checkpoint converted before its palu_kernels.py checked the sources hash takes this class from an installed
+    # hf_accel whatever its version, and its modeling code calls `attend_values(probs, backend=...)`: without a window
+    # the positions are not needed, and with one that code's reads (by slot) are refused in one line
+    layer = PaluQuantizedLayer(bits=3, residual_length=residual_length)
+    k, v = _latents(3, 0)
+    layer.append(k, v)  # that code appends without positions too
+    probs = torch.rand(B, G, 1, 3, generator=torch.Generator().manual_seed(1)).softmax(-1)
+    if residual_length:
+        with pytest.raises(ValueError, match="by slot, not by position.*`hf-accel convert palu`"):
+            layer.attend_values(probs, backend="eager")
+    else:
+        torch.testing.assert_close(layer.attend_values(probs, backend="eager"), probs @ _qdq(v), atol=1e-5, rtol=1e-5)
+
+
 def test_an_empty_layer_holds_nothing_and_its_row_operations_are_no_ops():
     layer = PaluQuantizedLayer(bits=3, residual_length=2)
     layer.batch_select_indices(torch.tensor([0]))
