@@ -134,7 +134,7 @@ class PaluQuantizedLayer(DynamicLayer):
         read = self._quantize(states.detach()).dequantize(torch.float32)
         return states.float() + (read - states.detach().float())
 
-    def release_window(self, key_positions: torch.LongTensor, num_queries: int) -> None:
+    def release_window(self, key_positions: torch.LongTensor, num_queries: int, committed: bool | None = None) -> None:
         """
         Drop the full-precision copies that no later query can read, after a pass.
 
@@ -146,6 +146,9 @@ class PaluQuantizedLayer(DynamicLayer):
             key_positions (`torch.LongTensor` of shape `[batch, seq_len]`): the pass's positions of every slot; the
                 last `num_queries` are its queries.
             num_queries (`int`): tokens of the pass.
+            committed (`bool`, *optional*): ignored. Palu checkpoints converted between commits 1aaf36b and 556d9c7
+                take this class from an installed hf_accel and pass it (whether the pass was a prefill, then kept
+                whole: transformers' assisted generation crops even a prefill).
         """
         if self.window_length:
             queries = key_positions[:, key_positions.shape[1] - num_queries :].to(self.window_positions)

@@ -372,6 +372,19 @@ def test_checkpoints_older_than_the_sources_hash_read_values_without_positions(r
         torch.testing.assert_close(layer.attend_values(probs, backend="eager"), probs @ _qdq(v), atol=1e-5, rtol=1e-5)
 
 
+def test_checkpoints_that_said_whether_a_pass_was_committed_release_as_every_pass_is_rolled_back():
+    # Palu checkpoints converted between 1aaf36b and 556d9c7 call `release_window(..., committed=past_len == 0)` on the
+    # installed hf_accel's layer: a TypeError in plain generate. The flag is ignored: a prefill, too, keeps what a
+    # query after a crop of it reads
+    layer, ref = PaluQuantizedLayer(bits=3, residual_length=2), PaluQuantizedLayer(bits=3, residual_length=2)
+    k, v = _latents(6, 0)
+    positions = torch.arange(6).expand(B, -1)
+    for each, kwargs in ((layer, {"committed": True}), (ref, {})):
+        each.append(k, v, positions)
+        each.release_window(positions, 6, **kwargs)
+    assert layer.window_length == ref.window_length == 6 and torch.equal(layer.window_positions, ref.window_positions)
+
+
 def test_an_empty_layer_holds_nothing_and_its_row_operations_are_no_ops():
     layer = PaluQuantizedLayer(bits=3, residual_length=2)
     layer.batch_select_indices(torch.tensor([0]))
