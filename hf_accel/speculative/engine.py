@@ -25,7 +25,8 @@ A drafter is any object with a `propose(request: DraftRequest) -> DraftTree | No
 - `requires_hidden_states` (`tuple[int, ...]`, default `()`): indices into the model's `hidden_states` output
   (e.g. `(-1,)` for the last layer, `(0, L // 2, -2, -1)` for SpecFormer; `VerifyResult.hidden_states` is keyed by
   them as given; one the target has not is refused); the engine runs the target with
-  `output_hidden_states=True` and hands back those layers at the committed positions, in order and padded on the
+  `output_hidden_states=<those indices>` (transformers then keeps those layers alone) and hands back those layers
+  at the committed positions, in order and padded on the
   right (the real prompt positions at the prefill; root + accepted nodes after a verification pass): the same
   layout every time, so CP heads read `[b, path_length[b] - 1]` of layer `-1`, and SpecFormer appends
   `[b, :path_length[b]]` to its own history.
@@ -502,16 +503,19 @@ class SpeculativeEngine:
         home, device = inputs["position_ids"].device, self.model.device
         if device.type != "meta":  # accelerate's offloaded models move their inputs themselves
             inputs = {name: _to_device(value, device) for name, value in inputs.items()}
+        # The layers by index: transformers' output capturing then keeps those alone (the others come back as `None`),
+        # where `True` held every layer's states over the whole pass (a long prefill's largest allocation); a model
+        # that records every layer regardless reads the list as `True`.
+        hidden = list(self.hidden_layers) if self.hidden_layers else False
         outputs = self.model(
-            past_key_values=cache, use_cache=True, output_hidden_states=bool(self.hidden_layers), return_dict=True,
-            **inputs,
-        )  # fmt: skip
+            past_key_values=cache, use_cache=True, output_hidden_states=hidden, return_dict=True, **inputs
+        )
         outputs.logits = outputs.logits.to(home)
         if outputs.hidden_states is not None:  # only the layers the drafter reads come back
             check_hidden_layers(self.hidden_layers, len(outputs.hidden_states))
             wanted = {i % len(outputs.hidden_states) for i in self.hidden_layers}
             outputs.hidden_states = tuple(
-                h.to(home) if i in wanted else h for i, h in enumerate(outputs.hidden_states)
+                h.to(home) if i in wanted else None for i, h in enumerate(outputs.hidden_states)
             )
         return outputs
 

@@ -1586,3 +1586,29 @@ def test_assisted_loop_without_transformers_private_methods_is_refused_in_one_li
         tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=assisted_generate,
                             drafter=ReferenceDrafter(input_ids))  # fmt: skip
     assert "_get_candidate_generator" not in vars(tiny_llama)
+
+
+def test_only_the_hidden_states_a_drafter_reads_are_kept_during_the_pass(tiny_llama, monkeypatch):
+    """The target ran with `output_hidden_states=True`, which holds every layer's states over the whole pass (at a
+    long prefill of a large model, more than the cache); it now names the layers, and transformers keeps only those."""
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    reference = tiny_llama.generate(input_ids, max_new_tokens=8, do_sample=False)
+    seen = []
+    forward = tiny_llama.model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append([h is not None for h in out.hidden_states])
+        return out
+
+    monkeypatch.setattr(tiny_llama.model, "forward", recording)
+
+    class LastAndFirst(ReferenceDrafter):
+        requires_hidden_states = (0, -1)
+
+    drafter = LastAndFirst(reference)
+    out = tiny_llama.generate(input_ids, max_new_tokens=8, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(out, reference)
+    layers = tiny_llama.config.num_hidden_layers
+    assert seen and all(kept == [True] + [False] * (layers - 1) + [True] for kept in seen)
+    assert all(set(r.hidden_states) == {0, -1} for r in drafter.results)

@@ -121,10 +121,18 @@ def _prompts(rows: int, width: int = 14):
 
 
 class _RandomTrees:
-    """Seeded random trees of up to 10 nodes per row, each node the reference's token at its depth or a random one."""
+    """Seeded random trees of up to 10 nodes per row, each node the reference's token at its depth or a random one.
+    It reads the first and last hidden states, as SpecFormer does: every family must hand back the layers named."""
+
+    requires_hidden_states = (0, -1)
 
     def __init__(self, reference, seed: int = 0):
         self.reference, self.rng = reference, random.Random(seed)
+
+    def update(self, result):
+        for layer in self.requires_hidden_states:
+            states = result.hidden_states[layer]
+            assert states.shape[:2] == (len(result.rows), int(result.path_length.max())), layer
 
     def propose(self, request):
         trees = []
