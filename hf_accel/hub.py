@@ -477,9 +477,25 @@ def _published_bytes(path: Path, folder: Path, repo_id: str) -> bytes | Path:
         return _set_constant(source, "ARTIFACT", repo_id).encode()
     if name == "README.md":
         card = path.read_text(encoding="utf-8")
-        published = _PLACEHOLDER_REPO_ID.sub(lambda _: repo_id, card)
+        published = _PLACEHOLDER_REPO_ID.sub(lambda _: repo_id, _replace_unsanitized_placeholder(card, repo_id))
         return published.encode() if published != card else path
     return path
+
+
+def _replace_unsanitized_placeholder(card: str, repo_id: str) -> str:
+    """`card` with `<your-namespace>/NAME` replaced by `repo_id`, NAME being the card's `model_name` as it is: cards
+    written before [`_placeholder_repo_id`] put the name there unchanged, which [`_PLACEHOLDER_REPO_ID`] would cut at
+    its first space or bracket (`custom_generate="me/idx index (v2)"`)."""
+    import yaml
+    from huggingface_hub import ModelCard
+
+    if _PLACEHOLDER_NAMESPACE not in card:
+        return card
+    try:
+        name = ModelCard(card, ignore_metadata_errors=True).data.model_name
+    except (ValueError, yaml.YAMLError):  # a README that is no card
+        return card
+    return card.replace(f"{_PLACEHOLDER_NAMESPACE}/{name}", repo_id) if isinstance(name, str) and name else card
 
 
 def save_artifact(

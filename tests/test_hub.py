@@ -1055,3 +1055,17 @@ def test_a_missing_model_card_template_is_one_line_naming_it(tmp_path, monkeypat
     with pytest.raises(FileNotFoundError, match=r"^no model-card template .*mine\W+converted_model.md$"):
         hub.write_model_card(tmp_path / "out", "converted-model", "org/base", template_dir=tmp_path / "mine")
     assert not (tmp_path / "out" / "README.md").exists()
+
+
+def test_a_card_written_with_the_directory_s_own_name_as_placeholder_is_published_naming_the_repository(tmp_path):
+    """Cards of earlier hf-accel versions put the directory's name in the placeholder as it was
+    (`<your-namespace>/my index (v2)`); re-published, the placeholder was replaced up to its first space, leaving
+    `custom_generate="me/my-index index (v2)"` in the snippets."""
+    artifact = save_artifact(tmp_path / "my index (v2)", "drafter-index", "org/base", drafter="ngram")
+    card = artifact / "README.md"
+    card.write_text(card.read_text().replace("<your-namespace>/my-index-v2", "<your-namespace>/my index (v2)"))
+    assert 'custom_generate="<your-namespace>/my index (v2)"' in card.read_text()  # the earlier versions' card
+    snapshot = populate_hub_cache(artifact, "me/my-index", cache_dir=tmp_path / "hub")
+    published = (snapshot / "README.md").read_text()
+    assert 'custom_generate="me/my-index",' in published and "hf download me/my-index --local-dir" in published
+    assert "<your-namespace>" not in published and "index (v2)" not in published.split("# my index (v2)")[1]
