@@ -1069,3 +1069,16 @@ def test_a_card_written_with_the_directory_s_own_name_as_placeholder_is_publishe
     published = (snapshot / "README.md").read_text()
     assert 'custom_generate="me/my-index",' in published and "hf download me/my-index --local-dir" in published
     assert "<your-namespace>" not in published and "index (v2)" not in published.split("# my index (v2)")[1]
+
+
+def test_repo_generate_on_an_older_hf_accel_is_one_line_asking_for_a_newer_one(monkeypatch):
+    """`custom_generate/requirements.txt` asks for `hf-accel>=` the version that wrote the file, which the releases
+    share: a repository published now, run where an earlier hf-accel is installed, stopped at an import inside
+    generate.py (`cannot import name 'TokenizerMismatchError'`), saying nothing of what to do."""
+    from hf_accel.speculative import repo_generate
+    from hf_accel.speculative.drafters import index
+
+    monkeypatch.delattr(index, "TokenizerMismatchError")  # as in the hf-accel of the first drafter repositories
+    with pytest.raises(ImportError, match=r"needs a newer hf-accel .*: run `pip install -U hf-accel`$") as err:
+        repo_generate.generate(object(), drafter="a drafter")
+    assert len(str(err.value).splitlines()) == 1

@@ -31,9 +31,15 @@ _drafters = weakref.WeakKeyDictionary()  # model -> its drafter, built on the fi
 def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
     from transformers import AutoTokenizer, GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
-    from hf_accel.speculative import custom_generate
-    from hf_accel.speculative.drafters import build_drafter
-    from hf_accel.speculative.drafters.index import TokenizerMismatchError
+    try:
+        from hf_accel.speculative import custom_generate
+        from hf_accel.speculative.drafters import build_drafter
+        from hf_accel.speculative.drafters.index import TokenizerMismatchError
+    except ImportError as err:  # an hf-accel older than the one that wrote this file (`requirements.txt` may pass)
+        raise ImportError(
+            f"this drafter's custom_generate/generate.py needs a newer hf-accel than the one installed ({err}): run "
+            "`pip install -U hf-accel`"
+        ) from None
 
     call_tokenizer = tokenizer  # stop strings use only this one, as in `generate`, on every call alike
     if drafter is None:
