@@ -428,7 +428,7 @@ def _save_model(model, output_dir: Path, base_model: str) -> None:
         copy_remote_code(model, output_dir)
 
 
-def write_custom_generate(output_dir: str | Path, drafter: str, artifact: str) -> None:
+def write_custom_generate(output_dir: str | Path, drafter: str, artifact: str | Path) -> None:
     """Writes `custom_generate/generate.py` (a copy of [`hf_accel.speculative.repo_generate`] drafting with `drafter`
     from `artifact`) and `custom_generate/requirements.txt` (this `hf-accel` version) into `output_dir`.
 
@@ -446,7 +446,7 @@ def write_custom_generate(output_dir: str | Path, drafter: str, artifact: str) -
     folder = Path(output_dir) / "custom_generate"
     folder.mkdir(parents=True, exist_ok=True)
     source = Path(repo_generate.__file__).read_text(encoding="utf-8")
-    source = _set_constant(_set_constant(source, "DRAFTER", drafter), "ARTIFACT", artifact)
+    source = _set_constant(_set_constant(source, "DRAFTER", drafter), "ARTIFACT", str(artifact))
     (folder / "generate.py").write_text(source, encoding="utf-8")
     (folder / "requirements.txt").write_text(f"hf-accel>={version('hf-accel')}\n", encoding="utf-8")
 

@@ -1082,3 +1082,20 @@ def test_repo_generate_on_an_older_hf_accel_is_one_line_asking_for_a_newer_one(m
     with pytest.raises(ImportError, match=r"needs a newer hf-accel .*: run `pip install -U hf-accel`$") as err:
         repo_generate.generate(object(), drafter="a drafter")
     assert len(str(err.value).splitlines()) == 1
+
+
+def test_a_drafter_folder_moved_elsewhere_is_one_line_saying_how_to_point_it_at_its_new_place(tmp_path):
+    """A drafter's generate.py names the folder it was saved in (transformers runs a copy of it from its modules
+    cache, which knows no folder): moved (to another machine, another path), it failed with "not an Infinigram index
+    (no header.json): <the old path>", a path the call never named."""
+    from hf_accel.hub import write_custom_generate
+
+    model, tokenizer, _, artifact = _tiny_index_artifact(tmp_path)
+    moved = Path(shutil.move(artifact, tmp_path / "moved"))
+    inputs = tokenizer(["abcabcab"], return_tensors="pt")
+    kwargs = {"do_sample": False, "max_new_tokens": 8, "custom_generate": str(moved), "trust_remote_code": True}
+    with pytest.raises(FileNotFoundError, match=r"saved in, .*idx, which is not there \(moved or copied\?\)") as err:
+        model.generate(**inputs, **kwargs)
+    assert len(str(err.value).splitlines()) == 1
+    write_custom_generate(moved, "ngram", moved)  # as the message says
+    assert torch.equal(model.generate(**inputs, **kwargs), model.generate(**inputs, do_sample=False, max_new_tokens=8))

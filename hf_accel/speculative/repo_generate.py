@@ -44,6 +44,12 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
     call_tokenizer = tokenizer  # stop strings use only this one, as in `generate`, on every call alike
     if drafter is None:
         drafter = _drafters.get(model)
+    if drafter is None and ARTIFACT is not None and os.path.isabs(ARTIFACT) and not os.path.isdir(ARTIFACT):
+        raise FileNotFoundError(
+            f"this drafter's custom_generate/generate.py drafts from the folder it was saved in, {ARTIFACT}, which is "
+            "not there (moved or copied?): point it at the folder it is in with "
+            f"`hf_accel.hub.write_custom_generate(FOLDER, {DRAFTER!r}, ABSOLUTE_PATH_OF_FOLDER)`"
+        )
     if drafter is None:
         if tokenizer is None:
             try:
