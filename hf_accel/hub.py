@@ -474,12 +474,40 @@ def _published_bytes(path: Path, folder: Path, repo_id: str) -> bytes | Path:
         source = path.read_text(encoding="utf-8")
         if not _constant_line("ARTIFACT").search(source):
             return path
-        return _set_constant(source, "ARTIFACT", repo_id).encode()
+        published = _set_constant(source, "ARTIFACT", repo_id)
+        current = _current_custom_generate(source, repo_id)
+        if current is not None and published != current:
+            from .log import get_logger
+
+            get_logger(__name__).warning(
+                f"{path} is not the one this hf-accel writes (an earlier version's, or edited); it is published as it "
+                f"is: re-save it with hf_accel.hub.write_custom_generate(FOLDER, DRAFTER, FOLDER) for the current one"
+            )
+        return published.encode()
     if name == "README.md":
         card = path.read_text(encoding="utf-8")
         published = _PLACEHOLDER_REPO_ID.sub(lambda _: repo_id, _replace_unsanitized_placeholder(card, repo_id))
         return published.encode() if published != card else path
     return path
+
+
+def _current_custom_generate(source: str, artifact: str) -> str | None:
+    """What [`write_custom_generate`] writes now for the drafter `source` names, drafting from `artifact` (`None` if
+    `source` names no drafter this version has)."""
+    import ast
+
+    from .speculative import repo_generate
+    from .speculative.drafters import available_drafters
+
+    line = _constant_line("DRAFTER").search(source)
+    try:
+        drafter = ast.literal_eval(line.group(0).split("=", 1)[1].strip()) if line else None
+    except (ValueError, SyntaxError):
+        return None
+    if drafter not in available_drafters():
+        return None
+    current = Path(repo_generate.__file__).read_text(encoding="utf-8")
+    return _set_constant(_set_constant(current, "DRAFTER", drafter), "ARTIFACT", artifact)
 
 
 def _replace_unsanitized_placeholder(card: str, repo_id: str) -> str:

@@ -1099,3 +1099,23 @@ def test_a_drafter_folder_moved_elsewhere_is_one_line_saying_how_to_point_it_at_
     assert len(str(err.value).splitlines()) == 1
     write_custom_generate(moved, "ngram", moved)  # as the message says
     assert torch.equal(model.generate(**inputs, **kwargs), model.generate(**inputs, do_sample=False, max_new_tokens=8))
+
+
+def test_publishing_a_drafter_s_generate_py_of_an_earlier_version_warns_that_it_is_not_the_current_one(tmp_path):
+    """A folder saved by an earlier hf-accel keeps that version's decoding code (one read the model repository's
+    tokenizer with trust_remote_code=True), and a push republished it with only its ARTIFACT line changed, silently."""
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_accel import hub
+    from hf_accel.log import get_logger
+
+    hub.write_custom_generate(tmp_path, "ngram", tmp_path)
+    path = tmp_path / "custom_generate" / "generate.py"
+    with CaptureLogger(get_logger(hub.__name__)) as logged:
+        current = hub._published_bytes(path, tmp_path, "me/idx")
+    assert logged.out == "" and b"ARTIFACT = 'me/idx'" in current
+    path.write_text(path.read_text().replace("def ", "def  ", 1))  # an earlier version's file
+    with CaptureLogger(get_logger(hub.__name__)) as logged:
+        earlier = hub._published_bytes(path, tmp_path, "me/idx")
+    assert earlier == current.replace(b"def ", b"def  ", 1)  # published as it is, pointing at the repository
+    assert "is not the one this hf-accel writes" in logged.out and len(logged.out.strip().splitlines()) == 1
