@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     references = [model.generate(**inputs, **greedy) for inputs, _ in batches]
     kind, _, source = args.drafter.partition(":")
     close = engine._close_holes
-    settings = {"closed": close, "kept": lambda state, cache: None}
+    settings = {"closed": close, "kept": lambda state, cache, every_hole=False: None}
     drafters = {name: build_drafter(kind, source or None, model, tokenizer) for name in settings}
     seconds = {name: [] for name in settings}
     try:
