@@ -513,6 +513,13 @@ class SpeculativeEngine:
         outputs.logits = outputs.logits.to(home)
         if outputs.hidden_states is not None:  # only the layers the drafter reads come back
             check_hidden_layers(self.hidden_layers, len(outputs.hidden_states))
+            dropped = [i for i in self.hidden_layers if outputs.hidden_states[i] is None]
+            if dropped:  # transformers resolves negative indices with the config's layer count, not the model's
+                raise ValueError(
+                    f"the target returned no hidden states {dropped} for `output_hidden_states={hidden}`: "
+                    "transformers counts negative indices from the config's `num_hidden_layers`, which does not "
+                    f"match the {len(outputs.hidden_states)} states the model returned (layers removed after loading?)"
+                )
             wanted = {i % len(outputs.hidden_states) for i in self.hidden_layers}
             outputs.hidden_states = tuple(
                 h.to(home) if i in wanted else None for i, h in enumerate(outputs.hidden_states)

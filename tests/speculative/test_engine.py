@@ -1612,3 +1612,20 @@ def test_only_the_hidden_states_a_drafter_reads_are_kept_during_the_pass(tiny_ll
     layers = tiny_llama.config.num_hidden_layers
     assert seen and all(kept == [True] + [False] * (layers - 1) + [True] for kept in seen)
     assert all(set(r.hidden_states) == {0, -1} for r in drafter.results)
+
+
+def test_hidden_states_a_model_drops_by_its_config_s_layer_count_are_refused_in_one_line():
+    """The engine names the drafter's layers (`output_hidden_states=[0, -1]`), and transformers resolves `-1` with
+    `config.num_hidden_layers`: a model whose layers were cut after loading (config not updated) returned `None` there,
+    and the prefill failed with `'NoneType' object has no attribute 'to'`."""
+    model = make_tiny_llama(num_hidden_layers=3)
+    model.model.layers = model.model.layers[:2]  # pruned; the config still counts 3 layers
+
+    class LastAndFirst(ReferenceDrafter):
+        requires_hidden_states = (0, -1)
+
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match=r"^the target returned no hidden states \[-1\] .*`num_hidden_layers`") as err:
+        model.generate(input_ids, max_new_tokens=4, custom_generate=custom_generate,
+                       drafter=LastAndFirst(torch.zeros(1, 12, dtype=torch.long)))  # fmt: skip
+    assert len(str(err.value).splitlines()) == 1
