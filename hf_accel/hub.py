@@ -443,6 +443,8 @@ def write_custom_generate(output_dir: str | Path, drafter: str, artifact: str | 
 
     if drafter not in available_drafters():
         raise ValueError(f"unknown drafter {drafter!r}; available: {', '.join(available_drafters())}")
+    if Path(artifact).is_dir():  # a local folder, named absolutely: the file runs from any working directory
+        artifact = Path(artifact).resolve()
     folder = Path(output_dir) / "custom_generate"
     folder.mkdir(parents=True, exist_ok=True)
     source = Path(repo_generate.__file__).read_text(encoding="utf-8")

@@ -1119,3 +1119,16 @@ def test_publishing_a_drafter_s_generate_py_of_an_earlier_version_warns_that_it_
         earlier = hub._published_bytes(path, tmp_path, "me/idx")
     assert earlier == current.replace(b"def ", b"def  ", 1)  # published as it is, pointing at the repository
     assert "is not the one this hf-accel writes" in logged.out and len(logged.out.strip().splitlines()) == 1
+
+
+def test_a_drafter_folder_named_relatively_is_written_absolutely(tmp_path, monkeypatch):
+    """`write_custom_generate(FOLDER, "ngram", FOLDER)` with a relative FOLDER wrote the relative path, which only
+    worked from the directory it was written in."""
+    from hf_accel.hub import write_custom_generate
+
+    (tmp_path / "idx").mkdir()
+    monkeypatch.chdir(tmp_path)
+    write_custom_generate("idx", "ngram", "idx")
+    assert f"ARTIFACT = {str(tmp_path / 'idx')!r}" in (tmp_path / "idx/custom_generate/generate.py").read_text()
+    write_custom_generate("idx", "ngram", "org/idx")  # a repository id stays as it is
+    assert "ARTIFACT = 'org/idx'" in (tmp_path / "idx/custom_generate/generate.py").read_text()
