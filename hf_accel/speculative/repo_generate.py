@@ -36,6 +36,8 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
         from hf_accel.speculative.drafters import build_drafter
         from hf_accel.speculative.drafters.index import TokenizerMismatchError
     except ImportError as err:  # an hf-accel older than the one that wrote this file (`requirements.txt` may pass)
+        if not (err.name or "").startswith("hf_accel"):  # one of hf-accel's own dependencies: its own error
+            raise
         raise ImportError(
             f"this drafter's custom_generate/generate.py needs a newer hf-accel than the one installed ({err}): run "
             "`pip install -U hf-accel`"
@@ -47,7 +49,7 @@ def generate(model, *args, drafter=None, tokenizer=None, **kwargs):
     if drafter is None and ARTIFACT is not None and os.path.isabs(ARTIFACT) and not os.path.isdir(ARTIFACT):
         raise FileNotFoundError(
             f"this drafter's custom_generate/generate.py drafts from the folder it was saved in, {ARTIFACT}, which is "
-            "not there (moved or copied?): point it at the folder it is in with "
+            "not there (moved?): point it at the folder it is in with "
             f"`hf_accel.hub.write_custom_generate(FOLDER, {DRAFTER!r}, ABSOLUTE_PATH_OF_FOLDER)`"
         )
     if drafter is None:
