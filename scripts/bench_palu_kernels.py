@@ -9,6 +9,7 @@ decode step of one layer (batch and shapes from the options); record them with t
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -32,18 +33,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, PaluAttentionBenchConfig]
     parser.add_argument("--iters", type=int, default=defaults.iters)
     args = parser.parse_args(argv)
     try:
-        config = PaluAttentionBenchConfig(
-            num_heads=args.num_heads,
-            num_key_value_heads=args.num_key_value_heads,
-            head_dim=args.head_dim,
-            group_size=args.group_size,
-            key_keep=args.key_keep,
-            value_keep=args.value_keep,
-            batch_size=args.batch_size,
-            seq_lens=tuple(args.seq_lens),
-            warmup=args.warmup,
-            iters=args.iters,
-        )
+        options = {f.name: getattr(args, f.name) for f in dataclasses.fields(PaluAttentionBenchConfig)}
+        config = PaluAttentionBenchConfig(**{**options, "seq_lens": tuple(args.seq_lens)})  # every field is an option
     except ValueError as err:
         parser.error(str(err))
     return args, config
