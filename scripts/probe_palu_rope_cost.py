@@ -7,7 +7,10 @@ events, median of 50 runs, L2 flushed before each) at gs 1 and 4, 16K and 64K to
 
 - `base`: the kernel as shipped, over a few tile sizes, warp counts and pipeline stages;
 - `norope`: cos/sin replaced by constants (wrong scores: the lower bound of what RoPE can cost);
-- `fast`: libdevice's `fast_cosf`/`fast_sinf` on the unreduced angles instead of the precise functions.
+- `fast`: libdevice's `fast_cosf`/`fast_sinf` on the unreduced angles instead of the precise functions;
+- `fast_reduced`: the same on the angles first reduced to [-π, π] (`_angle_mod_2pi`: two FMAs with 2π split into a
+  short head and a tail). The reduction is checked on CPU, with the precise functions in Triton's interpreter
+  (tests/kernels/test_palu_kernels.py).
 
 `err` is the largest error against the eager reference relative to its largest score. The variants are built by
 rewriting the kernel module's source in a temporary file; needs a CUDA GPU and triton.
@@ -27,19 +30,33 @@ from hf_accel.kernels import benchmark, triton_palu
 from hf_accel.kernels.reference import rope_key_scores
 
 
-SINCOS = "tl.cos(freqs) * attention_scaling, tl.sin(freqs) * attention_scaling"
+SINCOS = "cos, sin = tl.cos(freqs) * attention_scaling, tl.sin(freqs) * attention_scaling"
+FAST = "cos, sin = libdevice.fast_cosf(freqs) * attention_scaling, libdevice.fast_sinf(freqs) * attention_scaling"
+REDUCE = "freqs = _angle_mod_2pi(freqs)\n    "  # a statement before the sin/cos line, at its indentation
 VARIANTS = {
-    "norope": "freqs * 0 + attention_scaling, freqs * 0",
-    "fast": "libdevice.fast_cosf(freqs) * attention_scaling, libdevice.fast_sinf(freqs) * attention_scaling",
+    "norope": "cos, sin = freqs * 0 + attention_scaling, freqs * 0",
+    "fast": FAST,
+    "fast_reduced": REDUCE + FAST,
 }
+# 2π = head + tail with an 8-bit head (6.28125 = 201/32): `turns * head` is exact even without a fused multiply-add
+# while turns < 2^16 (angles up to 4·10^5 rad)
+ANGLE_MOD_2PI = """
+
+@triton.jit
+def _angle_mod_2pi(angle):
+    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
+    return tl.fma(turns, -0.0019353071795864769, tl.fma(turns, -6.28125, angle))
+"""
 LAUNCHES = [(64, 4, None), (128, 4, None), (128, 8, None), (32, 4, None), (64, 4, 1), (128, 4, 2)]
 
 
-def variant_module(name: str, folder: Path):
+def variant_module(name: str, folder: Path, sincos: str | None = None):
+    """`triton_palu` with the score kernel's sin/cos line replaced by `sincos` (default: `VARIANTS[name]`)."""
     source = Path(triton_palu.__file__).read_text(encoding="utf-8")
     if SINCOS not in source:
         raise SystemExit("the score kernel's sin/cos line changed: update this probe")
-    source = source.replace(SINCOS, VARIANTS[name]).replace("from .", "from hf_accel.kernels.")
+    source = source.replace(SINCOS, sincos or VARIANTS[name]).replace("from .", "from hf_accel.kernels.")
+    source += ANGLE_MOD_2PI
     source = source.replace(
         "import triton.language as tl\n", "import triton.language as tl\nfrom triton.language.extra import libdevice\n"
     )

@@ -409,3 +409,23 @@ def test_triton_rope_key_scores_on_the_second_gpu():
     with torch.cuda.device(0):
         actual = get_kernel("rope_key_scores", "triton")(*[t.to("cuda:1") for t in inputs])
     torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@require_triton
+def test_rope_probe_angle_reduction_keeps_the_scores_at_large_positions(tmp_path):
+    # scripts/probe_palu_rope_cost.py times GPU-only fast sin/cos on angles reduced mod 2π; the reduction itself must
+    # not change the scores, checked here with the precise functions at positions up to 4·10^5 (~6·10^4 turns)
+    import runpy
+    from pathlib import Path
+
+    probe = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "probe_palu_rope_cost.py"))
+    reduced = probe["variant_module"]("reduced", tmp_path, sincos=probe["REDUCE"] + probe["SINCOS"])
+    query, latent, up_proj, positions, inv_freq = _rope_inputs(head_dim=16, seq_len=40)
+    positions = positions * 100  # < 4·10^5
+    expected = _hf_scores(*(t.double() for t in (query, latent, up_proj)), positions, inv_freq.double(), kv_heads=2)
+    got = reduced.rope_key_scores(query, latent, up_proj, positions, inv_freq)
+    base = get_kernel("rope_key_scores", "triton")(query, latent, up_proj, positions, inv_freq)
+    scale = expected.abs().max()
+    # fp32 angles at 4·10^5 rad are themselves off by ~0.02 rad: the reduced variant must match the shipped kernel
+    assert (got - base).abs().max() / scale < 1e-4
+    assert (got.double() - expected).abs().max() / scale < 0.1
