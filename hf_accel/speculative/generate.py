@@ -164,6 +164,11 @@ def _validate_call(
             "finishes leaves the batch, which PEFT's per-row adapter list cannot follow; generate each adapter's rows "
             "in their own call (`set_adapter`)"
         )
+    if input_ids.shape[0] > 1 and "task_ids" in hooked:
+        raise ValueError(
+            "PEFT Poly's `task_ids` run with batch size 1 in speculative decoding: a row that finishes leaves the "
+            "batch, which Poly's per-row task list cannot follow; generate each row in its own call"
+        )
     switch = longrope_switch(model)
     prompt_mask = model_kwargs.get("attention_mask")
     shortest = int(prompt_mask.sum(-1).min()) if prompt_mask is not None else input_ids.shape[1]
@@ -228,13 +233,26 @@ def _validate_engine_call(model, generation_config, synced_gpus, model_kwargs):
 
 def _peft_hook_arguments(model) -> dict:
     """The keyword arguments that forward pre-hooks inject into `model`'s layers: PEFT's `generate` passes a call's
-    `adapter_names` (mixed-adapter batches) and aLoRA's `alora_offsets` to its LoRA layers this way, sized to the
-    prompt's rows."""
+    `adapter_names` (mixed-adapter batches) and aLoRA's `alora_offsets` to its LoRA layers this way, and Poly its
+    `task_ids`, sized to the prompt's rows."""
     injected = {}
     for module in model.modules():
         for hook in module._forward_pre_hooks.values():
-            injected.update(getattr(hook, "keywords", None) or {})  # PEFT's hooks are `functools.partial`s
+            injected.update(getattr(hook, "keywords", None) or {})  # LoRA's hooks are `functools.partial`s
+            injected.update(_closure_variables(hook))  # Poly's is a closure over `task_ids`
     return injected
+
+
+def _closure_variables(function) -> dict:
+    """The variables a Python function closes over, by name (none for other callables)."""
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
+    variables = {}
+    for name, cell in zip(code.co_freevars if code is not None else (), cells):
+        try:
+            variables[name] = cell.cell_contents
+        except ValueError:  # a cell not assigned yet
+            pass
+    return variables
 
 
 def _text_only(name: str, value) -> bool:

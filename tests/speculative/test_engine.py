@@ -758,6 +758,33 @@ def test_peft_mixed_adapter_batches_are_refused_in_one_line_beyond_one_row():
     assert torch.equal(out, reference)
 
 
+def test_peft_poly_task_batches_are_refused_in_one_line_beyond_one_row():
+    """Poly's `task_ids` reach its layers through a hook closing over the prompt's rows: once a row finished and left
+    the batch, the engine crashed mid-call in Poly's `bmm` ("Expected size for first two dimensions ...")."""
+    from peft import PolyConfig, get_peft_model
+
+    config = PolyConfig(target_modules=["q_proj", "v_proj"], r=4, n_tasks=3, n_skills=2, task_type="CAUSAL_LM")
+    model = get_peft_model(make_tiny_llama(seed=3), config)
+    torch.manual_seed(0)  # Poly's B starts at zero: random weights, so each task changes the logits
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.add_(torch.randn_like(parameter))
+    model.eval()
+    input_ids, attention_mask = _ragged_batch(3, seed=1)
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": 24, "pad_token_id": 0}
+    task_ids = torch.tensor([0, 1, 2])
+    reference = model.generate(input_ids=input_ids, attention_mask=attention_mask, task_ids=task_ids, **kwargs)
+    with pytest.raises(ValueError, match="Poly's `task_ids` run with batch size 1"):
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, task_ids=task_ids, **kwargs,
+                       custom_generate=custom_generate, drafter=ReferenceDrafter(reference))  # fmt: skip
+    row = input_ids[1:2, attention_mask[1].bool()]  # one row: the task list never changes size
+    reference = model.generate(input_ids=row, task_ids=task_ids[1:2], **kwargs)
+    out = model.generate(input_ids=row, task_ids=task_ids[1:2], **kwargs, custom_generate=custom_generate,
+                         drafter=ReferenceDrafter(reference, tree=True))  # fmt: skip
+    assert torch.equal(out, reference)
+
+
 def test_peft_activated_lora_is_refused_in_one_line():
     """aLoRA adapts only the last `offset` tokens of each forward pass: a verification pass over a chain longer than
     the offset scored its first tokens without the adapter, and both loops silently decoded other text."""
