@@ -625,7 +625,8 @@ def push_to_hub(
         `str`: the repository URL.
 
     Raises:
-        `HubError`: no token, the Hub unreachable (or `HF_HUB_OFFLINE=1`), or the Hub refusing the upload.
+        `HubError`: no card, a PEFT adapter naming its base by a local path, no token, the Hub unreachable (or
+            `HF_HUB_OFFLINE=1`), or the Hub refusing the upload.
     """
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError
@@ -635,6 +636,7 @@ def push_to_hub(
         raise FileNotFoundError(f"not a directory: {folder}")
     if not (folder / "README.md").is_file():
         raise HubError(f"{folder} has no README.md model card: save it with hf_accel.hub.save_artifact first")
+    _check_adapter_bases(folder, _artifact_files(folder, ignore_patterns))
     token = token or get_token()
     if not token:
         raise HubError("no Hugging Face token: run `hf auth login` or set HF_TOKEN to a token with write access")
@@ -673,6 +675,28 @@ def stale_weight_files(repo_files, uploaded) -> list[str]:
         and posixpath.dirname(name) in folders
         and any(fnmatch.fnmatch(posixpath.basename(name), pattern) for pattern in WEIGHT_PATTERNS)
     ]
+
+
+def _check_adapter_bases(folder: Path, files) -> None:
+    """Refuses, in one line, to publish a PEFT adapter whose `adapter_config.json` names its base model by a local path
+    (as `PeftModel.save_pretrained` writes it for a base loaded from a directory, in its card too): the repository
+    would name a directory of this machine, and `AutoPeftModelForCausalLM.from_pretrained` would find no base
+    elsewhere. `None` (no base named, as `train heal` writes for a local student) is published as it is."""
+    from .loading import looks_like_local_path
+
+    for path in files:
+        if path.name != "adapter_config.json":
+            continue
+        try:
+            base = json.loads(path.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        except (ValueError, AttributeError):  # not a PEFT config: published as it is
+            continue
+        if isinstance(base, str) and looks_like_local_path(base):
+            raise HubError(
+                f"{path.relative_to(folder).as_posix()} names its base model by the local path {base!r}, which "
+                "would be published: save the adapter with hf_accel.hub.save_artifact(DIR, 'lora-adapter', "
+                "'ORG/BASE', model=peft_model), which names the base's Hub id in it and in the card"
+            )
 
 
 def _artifact_files(folder: Path, ignore_patterns) -> list[Path]:
@@ -735,6 +759,7 @@ def populate_hub_cache(
     if not valid:
         raise ValueError(f"repo_id must be ORG/NAME (letters, digits, '-', '_', '.'), got {repo_id!r}")
     files = _artifact_files(folder, ignore_patterns)
+    _check_adapter_bases(folder, files)
     published = {path: _published_bytes(path, folder, repo_id) for path in files}  # a path, or edited bytes
     digests = {path: hashlib.sha256(_read(data)).hexdigest() for path, data in published.items()}
     if commit_hash is None:

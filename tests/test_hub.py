@@ -280,6 +280,26 @@ def test_adapter_config_names_the_cards_base_model_not_the_local_directory(tmp_p
     assert peft.peft_config["default"].base_model_name_or_path == str(local_base)  # the caller's model is unchanged
 
 
+@pytest.mark.parametrize("to_cache", [False, True])
+def test_an_adapter_naming_its_base_by_a_local_path_is_refused_in_one_line(tmp_path, capsys, to_cache):
+    # PEFT's save_pretrained writes the directory the base was loaded from: it was published as the adapter's base
+    # (and in PEFT's card), and `AutoPeftModelForCausalLM.from_pretrained(REPO)` found no base on any other machine
+    from transformers import AutoModelForCausalLM
+
+    local_base = write_tiny_llama(tmp_path / "local_base")
+    _tiny_lora(AutoModelForCausalLM.from_pretrained(local_base)).save_pretrained(tmp_path / "adapter")
+    argv = ["push", str(tmp_path / "adapter"), "--repo-id", "me/lora", "--token", "hf_unused"]
+    capsys.readouterr()  # the saves' progress bars
+    assert main([*argv, *(["--to-cache", str(tmp_path / "hub")] if to_cache else [])]) == 2
+    message = (
+        f"hf-accel push: error: adapter_config.json names its base model by the local path {str(local_base)!r}, "
+        "which would be published: save the adapter with hf_accel.hub.save_artifact(DIR, 'lora-adapter', "
+        "'ORG/BASE', model=peft_model), which names the base's Hub id in it and in the card"
+    )
+    assert capsys.readouterr().err.splitlines() == [message]
+    assert not (tmp_path / "hub").exists()
+
+
 class _FailingModel:
     """Writes its weights, then fails the way a save can (disk full, an unserialisable config)."""
 
