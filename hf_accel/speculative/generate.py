@@ -19,6 +19,7 @@ this function finds the streamer of the enclosing `generate` call itself; see [`
 import copy
 import functools
 import inspect
+import sys
 import threading
 import time
 
@@ -158,6 +159,12 @@ def _validate_call(
             "speculative decoding does not support aLoRA (PEFT's activated LoRA): it adapts only the last tokens of "
             "each forward pass, so draft tokens verified together would be scored without the adapter"
         )
+    if _has_xlora_layers(model):
+        raise ValueError(
+            "speculative decoding does not support X-LoRA (PEFT's mixture of LoRA experts): every forward pass runs "
+            "the model twice, the first time to compute its scalings, and both passes would write into the cache "
+            "(X-LoRA needs `use_cache=False`); use plain `generate`"
+        )
     if input_ids.shape[0] > 1 and "adapter_names" in hooked:
         raise ValueError(
             "PEFT's mixed-adapter batches (`adapter_names`) run with batch size 1 in speculative decoding: a row that "
@@ -241,6 +248,15 @@ def _peft_hook_arguments(model) -> dict:
             injected.update(getattr(hook, "keywords", None) or {})  # LoRA's hooks are `functools.partial`s
             injected.update(_closure_variables(hook))  # Poly's is a closure over `task_ids`
     return injected
+
+
+def _has_xlora_layers(model) -> bool:
+    """Whether `model`'s LoRA layers run X-LoRA's forward (PEFT replaces their `forward` by an `XLoraLayer`'s); a model
+    can have them only once PEFT's X-LoRA module is imported."""
+    xlora = sys.modules.get("peft.tuners.xlora.layer")
+    if xlora is None:
+        return False
+    return any(isinstance(getattr(m.forward, "__self__", None), xlora.XLoraLayer) for m in model.modules())
 
 
 def _closure_variables(function) -> dict:

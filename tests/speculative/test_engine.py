@@ -797,6 +797,30 @@ def test_peft_activated_lora_is_refused_in_one_line():
                            drafter=ReferenceDrafter(reference, depth=6, corrupt_every=0))  # fmt: skip
 
 
+def test_peft_xlora_is_refused_in_one_line(tmp_path):
+    """X-LoRA runs the model twice in every forward pass (a scaling pass, then the real one), both on the cache it
+    is given: the engine's cache held every token twice and its first verification pass crashed on the mask's size
+    ("The size of tensor a (17) must match ..."); transformers' assisted loop said only that it needs a cache."""
+    from peft import LoraConfig, XLoraConfig, get_peft_model
+
+    adapters = {}
+    for i in range(2):
+        torch.manual_seed(i)
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+        get_peft_model(make_tiny_llama(seed=3), lora).save_pretrained(tmp_path / str(i))
+        adapters[str(i)] = str(tmp_path / str(i))
+    base = make_tiny_llama(seed=3, initializer_range=0.3)
+    base.config.use_cache = False  # X-LoRA refuses a model that caches
+    config = XLoraConfig(task_type="CAUSAL_LM", hidden_size=TINY_CONFIG["hidden_size"], adapters=adapters)
+    model = get_peft_model(base, config).eval()
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    reference = model.generate(input_ids=input_ids, max_new_tokens=10, do_sample=False)
+    for loop in (custom_generate, assisted_generate):
+        with pytest.raises(ValueError, match="does not support X-LoRA"):
+            model.generate(input_ids=input_ids, max_new_tokens=10, do_sample=False, custom_generate=loop,
+                           drafter=ReferenceDrafter(reference))  # fmt: skip
+
+
 @pytest.mark.parametrize("peft_type", ["prompt", "prefix"])
 def test_peft_prompt_learning_is_refused_in_one_line(peft_type):
     """PEFT feeds its virtual tokens (or KV prefix) through `prepare_inputs_for_generation`, which the engine never
