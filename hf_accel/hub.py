@@ -400,8 +400,12 @@ def copy_remote_code(model, output_dir: str | Path, source_dir: str | Path | Non
 
 
 def _is_peft_model(model) -> bool:
-    """Whether `model` is a PEFT model (`PeftModel`, `PeftMixedModel`): it saves an adapter, not a checkpoint."""
-    return isinstance(getattr(model, "peft_config", None), dict) and callable(getattr(model, "get_base_model", None))
+    """Whether `model` saves an adapter, not a checkpoint: a PEFT model (`PeftModel`, `PeftMixedModel`), or a
+    transformers model with PEFT adapters loaded (`add_adapter`, `load_adapter`, or read from an adapter's folder),
+    whose `save_pretrained` writes its active adapter alone."""
+    if not isinstance(getattr(model, "peft_config", None), dict):
+        return False
+    return callable(getattr(model, "get_base_model", None)) or bool(getattr(model, "_hf_peft_config_loaded", False))
 
 
 def name_base_model_in_adapters(model, output_dir: Path, base_model: str | None) -> None:
@@ -409,8 +413,11 @@ def name_base_model_in_adapters(model, output_dir: Path, base_model: str | None)
     saved in `output_dir`, where PEFT wrote the local directory the base was loaded from: the adapter then points
     where the card does, and loads on another machine (`None`: no base named, rather than a local path). The model's
     own configs are left as they are."""
-    for name in model.peft_config:
-        path = output_dir / ("" if name == "default" else name) / "adapter_config.json"
+    # a PeftModel saves its `default` adapter at the top and the others in folders of their names; a transformers
+    # model saves its active adapter, whatever its name, at the top
+    folders = {"", *(name for name in model.peft_config if name != "default")}
+    for folder in sorted(folders):
+        path = output_dir / folder / "adapter_config.json"
         if path.is_file():
             config = json.loads(path.read_text(encoding="utf-8"))
             config["base_model_name_or_path"] = base_model

@@ -300,6 +300,21 @@ def test_an_adapter_naming_its_base_by_a_local_path_is_refused_in_one_line(tmp_p
     assert not (tmp_path / "hub").exists()
 
 
+def test_adapters_loaded_into_a_transformers_model_are_saved_naming_the_cards_base_model(tmp_path):
+    # `add_adapter` / `load_adapter` (and `from_pretrained` of an adapter's folder, as hf-accel loads one) give a
+    # transformers model that saves its active adapter alone: it was saved as a model, naming the local directory
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    local_base = write_tiny_llama(tmp_path / "local_base")
+    model = AutoModelForCausalLM.from_pretrained(local_base)
+    model.add_adapter(LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False), adapter_name="x")
+    artifact = save_artifact(tmp_path / "adapter", "lora-adapter", "smollm2-135m", model=model)
+    config = json.loads((artifact / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert model.peft_config["x"].base_model_name_or_path == str(local_base)  # the caller's model is unchanged
+
+
 class _FailingModel:
     """Writes its weights, then fails the way a save can (disk full, an unserialisable config)."""
 
