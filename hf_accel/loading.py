@@ -346,7 +346,7 @@ def load_dataset_split(name: str, split: str = "train", config: str | None = Non
     Hugging Face cache when offline).
 
     Raises:
-        `ValueError` in one line when the dataset or split cannot be loaded, or has no column `column`.
+        `ValueError` in one line when the dataset or split cannot be loaded, or has no text column `column`.
     """
     import datasets
 
@@ -369,4 +369,8 @@ def load_dataset_split(name: str, split: str = "train", config: str | None = Non
         raise ValueError(f"cannot load dataset {name!r} split {split!r}: {lines[0]}") from err
     if column is not None and column not in data.column_names:
         raise ValueError(f"dataset {name!r} has no column {column!r}; columns: {data.column_names}")
+    if column is not None and getattr(data.features[column], "dtype", None) not in ("string", "large_string"):
+        raise ValueError(
+            f"dataset {name!r} column {column!r} holds values that are not text ({data.features[column]})"
+        )
     return data

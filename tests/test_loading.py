@@ -342,3 +342,24 @@ def test_the_default_model_is_saved_without_its_gguf_quantizer_or_not_at_all(tmp
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     monkeypatch.undo()
     torch.testing.assert_close(sample_logits(load_model(out)), sample_logits(load_model(source)))
+
+
+@pytest.mark.parametrize("caller", ["load_dataset_split", "calibration", "index"])
+def test_a_dataset_column_that_is_not_text_is_one_line(tmp_path, caller):
+    """Numbers in the text column: `--calib hf:` joined them (a TypeError traceback), `index build --dataset` handed
+    them to the tokenizer (its message names no column)."""
+    import datasets
+
+    from hf_accel.compress.calibration import load_calibration_text
+    from hf_accel.loading import load_dataset_split
+    from hf_accel.speculative.drafters.build import iter_dataset_documents
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    datasets.Dataset.from_dict({"text": [1, 2, 3]}).save_to_disk(str(tmp_path / "ds"))
+    read = {
+        "load_dataset_split": lambda: load_dataset_split(str(tmp_path / "ds"), column="text"),
+        "calibration": lambda: load_calibration_text(f"hf:{tmp_path / 'ds'}"),
+        "index": lambda: list(iter_dataset_documents(str(tmp_path / "ds"), make_char_tokenizer())),
+    }[caller]
+    with pytest.raises(ValueError, match=r"^dataset '.*ds' column 'text' holds values that are not text \(Value\("):
+        read()
