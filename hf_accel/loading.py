@@ -361,7 +361,9 @@ def load_dataset_split(name: str, split: str = "train", config: str | None = Non
             builder = _DATA_FILE_BUILDERS.get(local.suffix.lower())
             if builder is None:
                 raise ValueError(f"unknown data file type {local.suffix!r}; use one of {sorted(_DATA_FILE_BUILDERS)}")
-            data = datasets.load_dataset(builder, data_files={split: name}, split=split)
+            # a text file's byte order mark is no text (the json and csv builders leave it out themselves)
+            encoding = {"encoding": "utf-8-sig"} if builder == "text" else {}
+            data = datasets.load_dataset(builder, data_files={split: name}, split=split, **encoding)
         else:
             data = _load_hub_dataset(name, config, split)
     except Exception as err:  # datasets raises many types for a missing or unreachable dataset

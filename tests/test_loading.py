@@ -363,3 +363,36 @@ def test_a_dataset_column_that_is_not_text_is_one_line(tmp_path, caller):
     }[caller]
     with pytest.raises(ValueError, match=r"^dataset '.*ds' column 'text' holds values that are not text \(Value\("):
         read()
+
+
+@pytest.mark.parametrize(
+    "reader", ["eval_text", "eval_dataset", "calibration", "index_text", "train_files", "prompts"]
+)
+def test_a_byte_order_mark_is_not_text(tmp_path, reader):
+    """A UTF-8 file a Windows editor saved starts with a byte order mark: it was scored, calibrated on, indexed and
+    trained on as a character (an unknown token), and a prompts file starting with one was refused as bad JSON."""
+    from hf_accel.compress.calibration import load_calibration_text
+    from hf_accel.eval.perplexity import read_eval_text
+    from hf_accel.eval.prompts import load_prompts
+    from hf_accel.speculative.drafters.build import iter_text_file_documents
+    from hf_accel.training.data import load_text_dataset
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    text = "héllo 日本\r\nworld\n"
+    path = tmp_path / "bom.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    read = {
+        "eval_text": lambda: read_eval_text(str(path)),
+        "eval_dataset": lambda: read_eval_text(dataset=str(path)) + "\n",  # one row a line, joined by line breaks
+        "calibration": lambda: load_calibration_text(str(path)),
+        "index_text": lambda: next(iter_text_file_documents([path], make_char_tokenizer())),
+        "train_files": lambda: load_text_dataset(text_files=[str(path)])["text"][0],
+    }
+    expected = text.replace("\r\n", "\n")
+    if reader == "index_text":
+        expected = make_char_tokenizer()(expected, add_special_tokens=False)["input_ids"]
+    if reader == "prompts":
+        path = tmp_path / "prompts.jsonl"
+        path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question_id": 1, "turns": [text]}).encode("utf-8") + b"\n")
+        read["prompts"], expected = lambda: load_prompts(str(path))[0].text, text
+    assert read[reader]() == expected

@@ -410,5 +410,5 @@ def load_calibration_text(source: str, split: str = "train", column: str = "text
         name, _, config = source[3:].partition(":")
         dataset = load_dataset_split(name, split, config or None, column)
         return "\n\n".join(t for t in dataset[column] if t)
-    with open(source, encoding="utf-8") as f:
+    with open(source, encoding="utf-8-sig") as f:  # a byte order mark (Windows editors write one) is no text
         return f.read()

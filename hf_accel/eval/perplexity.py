@@ -153,7 +153,7 @@ def read_eval_text(path: str | None = None, dataset: str | None = None, split: s
     """Reads evaluation text from a plain text file (WikiText raw style) or a `datasets` dataset.
 
     Args:
-        path (`str`, *optional*): a UTF-8 text file.
+        path (`str`, *optional*): a UTF-8 text file (a byte order mark at its start is left out).
         dataset (`str`, *optional*): a dataset saved with `save_to_disk`, a local data file/dir, or a Hub id (needs
             network or a populated cache).
         split (`str`, *optional*, defaults to `"test"`): the dataset split.
@@ -165,7 +165,7 @@ def read_eval_text(path: str | None = None, dataset: str | None = None, split: s
         file = Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"text file {'is a directory' if file.is_dir() else 'not found'}: {path}")
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")  # a byte order mark (Windows editors write one) is no text
     else:
         from ..loading import load_dataset_split
 

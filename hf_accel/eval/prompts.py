@@ -41,7 +41,7 @@ def _read_jsonl(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                line = line.decode("utf-8")
+                line = line.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte order mark is no JSON
             except UnicodeDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {line[err.start]:#04x})") from None
             try:

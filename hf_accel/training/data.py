@@ -85,7 +85,10 @@ def load_text_dataset(
             raise FileNotFoundError(f"training text file(s) not found: {', '.join(missing)}")
         for path in text_files:
             check_utf8_file(path)
-        return datasets.load_dataset("text", data_files=list(text_files), sample_by="document", split="train")
+        # utf-8-sig: a byte order mark (Windows editors write one) is no text
+        return datasets.load_dataset(
+            "text", data_files=list(text_files), sample_by="document", encoding="utf-8-sig", split="train"
+        )
     from ..loading import load_dataset_split
 
     return load_dataset_split(dataset_name, split, dataset_config)

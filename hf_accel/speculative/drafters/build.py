@@ -54,7 +54,7 @@ def iter_text_file_documents(
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"text file not found: {path}")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = path.read_text(encoding="utf-8-sig", errors="replace")  # a byte order mark is no text
         ids, start = [], 0
         while start < len(text):
             end = _chunk_end(text, start, start + chunk_chars, tokenizer)
