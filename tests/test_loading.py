@@ -396,3 +396,19 @@ def test_a_byte_order_mark_is_not_text(tmp_path, reader):
         path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question_id": 1, "turns": [text]}).encode("utf-8") + b"\n")
         read["prompts"], expected = lambda: load_prompts(str(path))[0].text, text
     assert read[reader]() == expected
+
+
+@pytest.mark.parametrize("reader", ["eval", "calibration"])
+def test_a_text_file_that_is_not_utf8_is_named_in_one_line(tmp_path, reader):
+    """`eval ppl --text` and `--calib FILE` (and `train heal --validation_file`) printed Python's decoder message
+    alone, which names neither the file nor where in it the bad byte is."""
+    from hf_accel.compress.calibration import load_calibration_text
+    from hf_accel.eval.perplexity import read_eval_text
+
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + "caf\xe9 au lait\n".encode("latin-1"))
+    read = {"eval": read_eval_text, "calibration": load_calibration_text}[reader]
+    with pytest.raises(
+        ValueError, match=r"^\w+ text file .*latin1\.txt is not UTF-8 text: byte 6 \(invalid continuation"
+    ):
+        read(str(path))

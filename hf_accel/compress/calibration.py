@@ -402,7 +402,8 @@ def load_calibration_text(source: str, split: str = "train", column: str = "text
     """Text of a calibration source: a text-file path, or `hf:<dataset>[:<config>]` (a `datasets` dataset).
 
     Raises:
-        `FileNotFoundError` for a missing file; `ValueError` for a dataset without `column`.
+        `FileNotFoundError` for a missing file; `ValueError` for a file that is not UTF-8 or a dataset without
+        `column`.
     """
     if source.startswith("hf:"):
         from ..loading import load_dataset_split
@@ -410,5 +411,11 @@ def load_calibration_text(source: str, split: str = "train", column: str = "text
         name, _, config = source[3:].partition(":")
         dataset = load_dataset_split(name, split, config or None, column)
         return "\n\n".join(t for t in dataset[column] if t)
-    with open(source, encoding="utf-8-sig") as f:  # a byte order mark (Windows editors write one) is no text
-        return f.read()
+    try:
+        with open(source, encoding="utf-8-sig") as f:  # a byte order mark (Windows editors write one) is no text
+            return f.read()
+    except UnicodeDecodeError:
+        from ..training.data import check_utf8_file
+
+        check_utf8_file(source, what="calibration text file")  # one line naming the file and the byte
+        raise

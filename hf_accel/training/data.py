@@ -34,13 +34,14 @@ def pack_token_ids(sequences: list[list[int]], seq_len: int, separator_id: int |
     return [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
 
 
-def check_utf8_file(path: str, chunk_bytes: int = 1 << 20) -> None:
+def check_utf8_file(path: str, chunk_bytes: int = 1 << 20, what: str = "training text file") -> None:
     """Raises a one-line `ValueError` naming `path` and its first byte that is not UTF-8 (`datasets` raises a long
-    `DatasetGenerationError` that names no file).
+    `DatasetGenerationError` that names no file, Python's decoder names neither file nor offset in it).
 
     Args:
         path (`str`): a text file.
         chunk_bytes (`int`, *optional*, defaults to 1 MiB): the file is read in chunks of this many bytes.
+        what (`str`, *optional*, defaults to `"training text file"`): what the file is, for the message.
     """
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0  # bytes handed to the decoder before this chunk
@@ -54,7 +55,7 @@ def check_utf8_file(path: str, chunk_bytes: int = 1 << 20) -> None:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError as err:
             start = offset - pending + err.start
-            raise ValueError(f"training text file {path} is not UTF-8 text: byte {start} ({err.reason})") from None
+            raise ValueError(f"{what} {path} is not UTF-8 text: byte {start} ({err.reason})") from None
 
 
 def load_text_dataset(
