@@ -361,13 +361,18 @@ def load_dataset_split(name: str, split: str = "train", config: str | None = Non
             builder = _DATA_FILE_BUILDERS.get(local.suffix.lower())
             if builder is None:
                 raise ValueError(f"unknown data file type {local.suffix!r}; use one of {sorted(_DATA_FILE_BUILDERS)}")
+            if local.stat().st_size == 0:  # each builder fails its own way on it (StopIteration from json)
+                raise ValueError("the file is empty")
             # a text file's byte order mark is no text (the json and csv builders leave it out themselves)
             encoding = {"encoding": "utf-8-sig"} if builder == "text" else {}
             data = datasets.load_dataset(builder, data_files={split: name}, split=split, **encoding)
         else:
             data = _load_hub_dataset(name, config, split)
     except Exception as err:  # datasets raises many types for a missing or unreachable dataset
-        lines = str(err).strip().splitlines() or [type(err).__name__]
+        # a builder's error (a byte that is not UTF-8, a bad CSV row) comes wrapped in one saying only that it failed
+        generation = isinstance(err, datasets.exceptions.DatasetGenerationError) and err.__cause__ is not None
+        reason = err.__cause__ if generation else err
+        lines = str(reason).strip().splitlines() or [type(reason).__name__]
         raise ValueError(f"cannot load dataset {name!r} split {split!r}: {lines[0]}") from err
     if column is not None and column not in data.column_names:
         raise ValueError(f"dataset {name!r} has no column {column!r}; columns: {data.column_names}")

@@ -412,3 +412,22 @@ def test_a_text_file_that_is_not_utf8_is_named_in_one_line(tmp_path, reader):
         ValueError, match=r"^\w+ text file .*latin1\.txt is not UTF-8 text: byte 6 \(invalid continuation"
     ):
         read(str(path))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "reason"),
+    [
+        ("notes.txt", "caf\xe9\n".encode("latin-1"), r"'utf-8' codec can't decode byte 0xe9 in position 3"),
+        ("table.csv", b'text,n\n"a,1\n', r"Error tokenizing data"),
+        ("rows.jsonl", b"", r"the file is empty"),
+        ("notes.txt", b"", r"the file is empty"),
+    ],
+)
+def test_a_data_file_that_cannot_be_read_says_why(tmp_path, name, content, reason):
+    """`datasets` wraps a builder's error in `DatasetGenerationError('An error occurred while generating the
+    dataset')`, and its json builder raises a bare `StopIteration` on an empty file: the line said nothing useful."""
+    from hf_accel.loading import load_dataset_split
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=rf"^cannot load dataset '.*{name}' split 'train': {reason}"):
+        load_dataset_split(str(tmp_path / name))
