@@ -431,3 +431,28 @@ def test_a_data_file_that_cannot_be_read_says_why(tmp_path, name, content, reaso
     (tmp_path / name).write_bytes(content)
     with pytest.raises(ValueError, match=rf"^cannot load dataset '.*{name}' split 'train': {reason}"):
         load_dataset_split(str(tmp_path / name))
+
+
+def test_empty_and_missing_rows_are_read_as_the_readme_says(tmp_path):
+    """README, "Data inputs": missing values are left out everywhere; `eval ppl` keeps empty rows as blank lines,
+    `index build`, calibration and `train heal` leave them out."""
+    import datasets
+
+    from hf_accel.compress.calibration import load_calibration_text
+    from hf_accel.eval.perplexity import read_eval_text
+    from hf_accel.speculative.drafters.build import iter_dataset_documents
+    from hf_accel.training.data import load_text_dataset, tokenize_and_pack
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    rows = ["ab", "", None, " ", "cd"]
+    datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(tmp_path / "ds"))
+    tokenizer = make_char_tokenizer()
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert read_eval_text(dataset=str(tmp_path / "ds")) == "ab\n\n \ncd"
+    assert list(iter_dataset_documents(str(tmp_path / "ds"), tokenizer)) == [encode("ab"), encode(" "), encode("cd")]
+    assert load_calibration_text(f"hf:{tmp_path / 'ds'}") == "ab\n\n \n\ncd"
+    packed = tokenize_and_pack(load_text_dataset(dataset_name=str(tmp_path / "ds")), tokenizer, seq_len=2)
+    eos = tokenizer.eos_token_id
+    assert [i for block in packed["input_ids"] for i in block] == encode("ab") + [eos] + encode(" ") + [eos] + encode(
+        "cd"
+    ) + [eos]
