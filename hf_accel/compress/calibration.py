@@ -411,11 +411,6 @@ def load_calibration_text(source: str, split: str = "train", column: str = "text
         name, _, config = source[3:].partition(":")
         dataset = load_dataset_split(name, split, config or None, column)
         return "\n\n".join(t for t in dataset[column] if t)
-    try:
-        with open(source, encoding="utf-8-sig") as f:  # a byte order mark (Windows editors write one) is no text
-            return f.read()
-    except UnicodeDecodeError:
-        from ..training.data import check_utf8_file
+    from ..training.data import read_text_file
 
-        check_utf8_file(source, what="calibration text file")  # one line naming the file and the byte
-        raise
+    return read_text_file(source, what="calibration text file")

@@ -165,13 +165,9 @@ def read_eval_text(path: str | None = None, dataset: str | None = None, split: s
         file = Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"text file {'is a directory' if file.is_dir() else 'not found'}: {path}")
-        try:
-            text = file.read_text(encoding="utf-8-sig")  # a byte order mark (Windows editors write one) is no text
-        except UnicodeDecodeError:
-            from ..training.data import check_utf8_file
+        from ..training.data import read_text_file
 
-            check_utf8_file(path, what="evaluation text file")  # one line naming the file and the byte
-            raise
+        text = read_text_file(path, what="evaluation text file")
     else:
         from ..loading import load_dataset_split
 

@@ -42,6 +42,7 @@ def _run_build(args) -> int:
     from ..atomic import check_output_path
     from ..cli import print_json
     from ..loading import load_tokenizer
+    from ..training.data import check_utf8_file
     from .drafters.build import (
         SELF_DISTILL_CACHE,
         SELF_DISTILL_LOCK,
@@ -71,18 +72,22 @@ def _run_build(args) -> int:
     prompt_sets = [parse_prompt_slice(source) for source in args.self_distill]
     for name, offset, limit in prompt_sets:  # a bad slice, set name or file fails before the model loads
         load_prompts(name, None, limit=limit, offset=offset)
-    if args.self_distill:
-        model, tokenizer = load_model(args)
-    else:
-        model, tokenizer = None, load_tokenizer(args.model, args.trust_remote_code)
+    for path in args.text:  # read again as they are indexed: a bad one fails now, not after minutes of work
+        check_utf8_file(path, what="text file")
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     documents, sources = [], []  # iterables, consumed once as the index is written
     start = time.perf_counter()
     if args.text:
         documents.append(iter_text_file_documents(args.text, tokenizer))
         sources += [f"text:{published_name(p)}" for p in args.text]
-    if args.dataset:
+    if args.dataset:  # loaded here: a bad name or column fails before the model loads
         documents.append(iter_dataset_documents(args.dataset, tokenizer, args.split, args.text_column))
         sources.append(f"dataset:{published_name(args.dataset)}:{args.split}:{args.text_column}")
+    model_load_s = 0.0
+    if args.self_distill:
+        tic = time.perf_counter()
+        model, tokenizer = load_model(args)
+        model_load_s = time.perf_counter() - tic
     generation_s = 0.0
     vocab_size = tokenizer_fingerprint(tokenizer)[2] if prompt_sets else None  # ids a self-distilled answer may keep
     for name, offset, limit in prompt_sets:
@@ -96,7 +101,8 @@ def _run_build(args) -> int:
         )
     tic = time.perf_counter()
     header, build_s = build_index_from_documents(itertools.chain(*documents), tokenizer, out, sources, args.model)
-    prepare_s = tic - start + (time.perf_counter() - tic - build_s)  # text and dataset are tokenized as they stream
+    # text and dataset are tokenized as they stream; the model's load is no input's preparation
+    prepare_s = tic - start - model_load_s + (time.perf_counter() - tic - build_s)
     card = _write_card(str(out), args.model, header)
     tokens = header.num_indexed_tokens  # not the stream's separators
     result = {

@@ -58,6 +58,16 @@ def check_utf8_file(path: str, chunk_bytes: int = 1 << 20, what: str = "training
             raise ValueError(f"{what} {path} is not UTF-8 text: byte {start} ({err.reason})") from None
 
 
+def read_text_file(path: str | Path, what: str = "text file") -> str:
+    """The text of a UTF-8 file, a leading byte order mark (Windows editors write one) left out; a file that is not
+    UTF-8 raises [`check_utf8_file`]'s one-line `ValueError` naming it (`what`) and its first bad byte."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError:
+        check_utf8_file(str(path), what=what)
+        raise
+
+
 def load_text_dataset(
     dataset_name: str | None = None,
     dataset_config: str | None = None,

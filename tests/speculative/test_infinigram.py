@@ -1592,3 +1592,38 @@ def test_a_continuation_exactly_at_the_threshold_is_drafted(tree):
                 config.threshold = tau + 1e-6  # just above: not drafted
                 assert 1 not in drafter.draft_row(np.array([0]), 1, 8)[0], (tau, k, n, length)
                 config.threshold = tau
+
+
+def test_index_build_checks_text_files_and_dataset_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    # self-distillation loads the model first of all the work: a bad text file or dataset must fail before it
+    from hf_accel.cli import main
+    from hf_accel.speculative import cli as speculative_cli
+    from tests.tiny_checkpoints import write_tiny_llama
+
+    def no_model(args):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(speculative_cli, "load_model", no_model)
+    model = write_tiny_llama(tmp_path / "tiny")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"caf\xe9\n")
+    common = ["index", "build", "--model", str(model), "--out", str(tmp_path / "o"), "--self-distill", "chat_build"]
+    capsys.readouterr()  # the checkpoint's writing progress
+    cases = [
+        (["--text", str(latin1)], f"text file {latin1} is not UTF-8 text: byte 3"),
+        (["--dataset", str(tmp_path / "no-such-dataset")], "no-such-dataset"),
+    ]
+    for extra, message in cases:
+        assert main([*common, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_text_file_that_is_not_utf8_is_not_indexed(tmp_path):
+    from hf_accel.speculative.drafters.build import iter_text_file_documents
+
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("naïve".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.txt is not UTF-8 text: byte 2"):
+        next(iter_text_file_documents([path], tokenizer=None))

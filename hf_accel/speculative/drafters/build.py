@@ -48,13 +48,15 @@ def iter_text_file_documents(
     it and indentation to its line break (GPT-2, SmolLM: cut before the run), Llama 3 and Qwen glue line breaks to the
     punctuation before them (cut after the line breaks). A cut inside a word would make tokens the tokenizer never
     makes."""
+    from ...training.data import read_text_file
+
     if chunk_chars < 1:
         raise ValueError(f"chunk_chars must be positive, got {chunk_chars}")
     for path in paths:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"text file not found: {path}")
-        text = path.read_text(encoding="utf-8-sig", errors="replace")  # a byte order mark is no text
+        text = read_text_file(path)  # not UTF-8: one line naming the file, as every other text input
         ids, start = [], 0
         while start < len(text):
             end = _chunk_end(text, start, start + chunk_chars, tokenizer)
