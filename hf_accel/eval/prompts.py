@@ -29,7 +29,7 @@ class BenchPrompt:
 
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
-        raise FileNotFoundError(f"prompts file not found: {path}")
+        raise FileNotFoundError(f"prompts file {'is a directory' if path.is_dir() else 'not found'}: {path}")
     records = []
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:  # decoded line by line below, so that a bad byte is named by its line

@@ -50,8 +50,10 @@ def test_malformed_prompt_files_raise_one_clear_error(tmp_path, content, message
 
 
 def test_missing_file_and_offset_past_end(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="prompts file not found"):
         load_prompts(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(FileNotFoundError, match="prompts file is a directory"):
+        load_prompts(str(tmp_path))
     path = write_jsonl(tmp_path / "q.jsonl", [{"question_id": 1, "turns": ["hi"]}])
     with pytest.raises(ValueError, match="no prompts left"):
         load_prompts(path, offset=5)
