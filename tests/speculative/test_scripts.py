@@ -213,3 +213,42 @@ def test_every_script_answers_help_and_a_bad_option_in_one_line(name, monkeypatc
         assert exit_info.value.code == code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"{name}: error: ") and "--help" in err
+
+
+def test_probe_half_precision_flips_counts_differing_outputs_and_gives_the_gap_there(monkeypatch, tmp_path, capsys):
+    """The probe reports how often speculative greedy output differs from plain `generate` and plain decoding's
+    top-2 logit gap at the first differing token (issue 6: a near-tie flip is reported, never hidden)."""
+    model = make_tiny_llama(vocab_size=128)
+    monkeypatch.setattr(hf_accel.loading, "load_model_and_tokenizer", lambda *a, **k: (model, make_char_tokenizer()))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"def f{i}(x):\n"}) + "\n" for i in range(3)))
+    argv = ["--prompts", str(prompts), "--dtype", "float32", "--max-new-tokens", "6", "--json"]
+    main = run_script("probe_half_precision_flips.py")["main"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["num_prompts"], report["differing"], report["flips"]) == (3, 0, [])  # float32: identical
+    assert report["reference_tokens"] == 18
+
+    generate, logits = model.generate, []
+
+    def flip_third_token(**kwargs):  # the speculative output of the second prompt differs at its third new token
+        if "custom_generate" not in kwargs:
+            out = generate(**kwargs)
+            logits.append(out.logits[2][0])
+            return out
+        kwargs.pop("custom_generate"), kwargs.pop("drafter")
+        out = generate(**kwargs).clone()
+        if len(logits) == 2:
+            out[0, kwargs["input_ids"].shape[1] + 2] += 1
+        return out
+
+    monkeypatch.setattr(model, "generate", flip_third_token)
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    top = logits[1].topk(2).values
+    assert report["differing"] == 1
+    assert report["flips"] == [
+        {"question_id": "t1", "new_token": 2, "top2_gap": pytest.approx(float(top[0] - top[1]))}
+    ]
+    run = run_script("probe_half_precision_flips.py")
+    assert run["first_divergence"]([1, 2, 3], [1, 2]) == 2 and run["first_divergence"]([1, 2], [1, 2]) is None
