@@ -104,6 +104,27 @@ def test_a_conversion_in_bfloat16_is_computed_in_it_and_saved_in_the_source_dtyp
     torch.testing.assert_close(logits["bfloat16"], logits["float32"], atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("converter", [["care", "--method", "svd"], ["palu", "--ranks", "uniform"]])
+def test_factors_a_float16_original_cannot_hold_are_refused_not_saved_as_inf(converter, tmp_path, capsys):
+    """Converted in float32 (the default) and cast to the float16 original's dtype to be saved, a factor past 65504
+    was saved as inf, exit code 0; float16 conversion refused it, advising float32."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(write_tiny_llama(tmp_path / "fp32"), dtype=torch.float16)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.fill_(6e4)  # rank one: U Σ = 6e4 · √16 = 2.4e5 per entry
+    model.save_pretrained(tmp_path / "fp16")
+    make_char_tokenizer().save_pretrained(tmp_path / "fp16")
+    argv = ["convert", *converter, "--model", str(tmp_path / "fp16"), "--kv-keep", "0.5", "--base-model", "org/t"]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--json"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]  # after the calibration's bars
+    assert error.startswith("hf-accel convert: error: ")
+    assert "model.layers.1.self_attn.k_down.weight beyond the range of float16" in error
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_commands_on_a_gpu_give_the_cpu_figures(tmp_path, capsys):
     from transformers import AutoModelForCausalLM

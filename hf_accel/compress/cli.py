@@ -72,9 +72,26 @@ def _check_sources_and_output(args):
     return source, base_model, check_output_dir(args.out, args.overwrite)
 
 
+def _saved_like_original(model, source, converter: str):
+    """`model`, converted in `--dtype`, cast to the dtype the original `source` declares, as it is saved; weights that
+    dtype cannot hold are refused (a float16 original's factors, computed in float32, may pass 65504: saved as inf)."""
+    from ..loading import to_checkpoint_dtype
+    from .export import first_non_finite
+
+    computed = model.dtype
+    model = to_checkpoint_dtype(model, source)
+    name = None if model.dtype == computed else first_non_finite(model.named_parameters())
+    if name is not None:
+        dtype = str(model.dtype).removeprefix("torch.")
+        raise ValueError(
+            f"{converter} conversion produced {name} beyond the range of {dtype}, the original checkpoint's dtype it "
+            f"is saved in; save the original in bfloat16 or float32 first"
+        )
+    return model
+
+
 def run_convert_care(args) -> int:
     from ..cli import print_json
-    from ..loading import to_checkpoint_dtype
     from .care import CareConversionConfig, run_care_conversion, save_care_model
 
     config = CareConversionConfig(
@@ -97,7 +114,7 @@ def run_convert_care(args) -> int:
         seq_len=args.calib_seq_len,
         seed=args.seed,
     )
-    result.model = to_checkpoint_dtype(result.model, source)  # converted in --dtype, saved like the original
+    result.model = _saved_like_original(result.model, source, "CARE")
     out = save_care_model(result, tokenizer, args.out, base_model, overwrite=args.overwrite)
     summary = dict(result.summary(), model=args.model, out=str(out))
     if args.json:
@@ -150,7 +167,6 @@ def _add_palu(converters) -> None:
 
 def run_convert_palu(args) -> int:
     from ..cli import print_json
-    from ..loading import to_checkpoint_dtype
     from .calibration import load_calibration_ids, published_calibration_source
     from .palu import (
         PaluConversionConfig,
@@ -185,7 +201,7 @@ def run_convert_palu(args) -> int:
     )  # fmt: skip
     options = dict(dataclasses.asdict(conversion), group_size=group_size)  # the options checked above, as they are
     palu, info = convert_palu(model, tokenizer, calibration_ids=ids, progress=True, **options)  # bars go to stderr
-    palu = to_checkpoint_dtype(palu, source)  # converted in --dtype, saved like the original
+    palu = _saved_like_original(palu, source, "Palu")
     info["window_bytes_per_sequence"] = window_bytes_per_sequence(palu)  # in the saved dtype
     info["calibration_source"] = published_calibration_source(args.calib)  # a local file by its name
     save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)

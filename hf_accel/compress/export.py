@@ -81,6 +81,11 @@ def as_converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype, memory_format=torch.contiguous_format)
 
 
+def first_non_finite(named_tensors) -> str | None:
+    """The name of the first floating tensor of `(name, tensor)` pairs that holds a non-finite value, else `None`."""
+    return next((n for n, t in named_tensors if t.is_floating_point() and not torch.isfinite(t).all()), None)
+
+
 def load_converted_state(converted, state: dict, source, converter: str):
     """Assigns `state` to the parameters of `converted` (built by [`uninitialized_model`]) in the dtype of `source`,
     refusing non-finite values, and gives it `source`'s generation config (its EOS ids and sampling defaults live
@@ -98,14 +103,14 @@ def load_converted_state(converted, state: dict, source, converter: str):
 
     dtype = next(source.parameters()).dtype
     state = {k: as_converted(v, dtype) for k, v in state.items()}
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            # a 16-bit checkpoint may just not hold a factor; in float32 a factor blew up (a near-singular moment)
-            hint = "convert the model in float32, or " if torch.finfo(dtype).bits < 32 else "convert "
-            raise ValueError(
-                f"{converter} conversion produced non-finite values in {name} ({str(dtype).removeprefix('torch.')}); "
-                f"{hint}with a larger shrinkage alpha"
-            )
+    name = first_non_finite(state.items())
+    if name is not None:
+        # a 16-bit checkpoint may just not hold a factor; in float32 a factor blew up (a near-singular moment)
+        hint = "convert the model in float32, or " if torch.finfo(dtype).bits < 32 else "convert "
+        raise ValueError(
+            f"{converter} conversion produced non-finite values in {name} ({str(dtype).removeprefix('torch.')}); "
+            f"{hint}with a larger shrinkage alpha"
+        )
     converted.load_state_dict(state, strict=True, assign=True)
     converted.tie_weights()  # assigned, the tied output and input embeddings are two parameters again
     converted.generation_config = copy.deepcopy(source.generation_config)
