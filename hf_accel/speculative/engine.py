@@ -77,8 +77,9 @@ for models whose config names each layer's type ([`attention_window`]).
   index, so criteria answering per row are exact, and one answering for the whole batch (a single bool) stops only
   the row being checked, since rows reach each length at different times.
 - Logits processors that read the context (repetition penalty, min-length, ...) are applied per node with that
-  node's own path as context, in a batch of the original size (exact, slow: one call per node); processors known to
-  ignore the context (temperature, top-k/p, ...) are applied once to all nodes.
+  node's own path as context, in a batch of the original size (exact, slow: one call per node), skipping nodes whose
+  token their parent's processed scores forbid (never committed), so they see only paths they allow; processors known
+  to ignore the context (temperature, top-k/p, ...) are applied once to all nodes.
 - Greedy mode is "argmax of the processed logits", as in `generate`; a node is accepted iff its token equals it.
 - Sampling with deterministic drafts samples each output position by Gumbel-max with noise keyed by (seed, row,
   position) and accepts a node iff it equals that sample: lossless (acceptance probability `p(draft)`, the point-mass
@@ -276,8 +277,13 @@ def _process_scores(logits_processor, contexts, logits):
     return logits_processor(contexts, logits) if len(logits_processor) else logits
 
 
-def _process_tree_scores(logits_processor, state, tree_ids, ancestors, logits):
-    """Processed scores `[B, N, V]` of every tree node, each with its own path as the processors' context."""
+def _process_tree_scores(logits_processor, state, tree_ids, parent, ancestors, logits):
+    """Processed scores `[B, N, V]` of every tree node, each with its own path as the processors' context.
+
+    Context-dependent processors see only paths they allow: a node whose token its parent's processed scores forbid
+    (`-inf`: a `prefix_allowed_tokens_fn`, bad words, ...) can never be committed, nor can its descendants, so they
+    keep their raw logits (never read) and the processors never get a context that plain `generate` could not
+    produce (a constraint function may fail on one: `prefix_allowed_tokens_fn` returning `[]` raises)."""
     if not len(logits_processor):
         return logits
     batch_size, num_nodes, vocab = logits.shape
@@ -288,11 +294,16 @@ def _process_tree_scores(logits_processor, state, tree_ids, ancestors, logits):
     # Context-dependent processors may also hold per-row state sized to the original batch (e.g. the repetition
     # penalty's `prompt_ignore_length`), so each node is processed in a full-size batch at its row's original index.
     full_batch = state.sequences.shape[0]
-    scores = torch.empty_like(logits)
+    scores = logits.clone()
+    allowed = torch.ones_like(tree_ids, dtype=torch.bool)  # the node's path has positive probability
     for b in range(batch_size):
         row = int(state.rows[b])
         prefix = state.sequences[row, : state.lengths[row] - 1]  # the root is the tree's node 0
         for node in range(num_nodes):
+            up = int(parent[b, node])  # topological order: processed before its children
+            if up >= 0 and not (allowed[b, up] and scores[b, up, tree_ids[b, node]] > -float("inf")):
+                allowed[b, node] = False
+                continue
             context = torch.cat([prefix, tree_ids[b][ancestors[b, node]]])  # path order = node order
             out = logits_processor(context.expand(full_batch, -1), logits[b, node].expand(full_batch, -1).clone())
             scores[b, node] = out[row]
@@ -700,7 +711,12 @@ class SpeculativeEngine:
         outputs = self._forward(cache, attention_mask=mask, position_ids=positions, **inputs)
         logits = outputs.logits.float()  # [B, N + M, V]
         scores = _process_tree_scores(
-            self.logits_processor, state, tree_ids, ancestors[:, :num_nodes, :num_nodes], logits[:, :num_nodes]
+            self.logits_processor,
+            state,
+            tree_ids,
+            parent[:, :num_nodes],
+            ancestors[:, :num_nodes, :num_nodes],
+            logits[:, :num_nodes],
         )
         paths, bonus = self._accept(
             tree_ids,

@@ -1091,6 +1091,37 @@ def test_context_dependent_processors_keep_greedy_identity(processor):
         assert torch.equal(out, reference)
 
 
+def _candidates_constraint(candidates: dict, prompt_length: int):
+    """A `prefix_allowed_tokens_fn` that makes row `batch_id` write one of `candidates[batch_id]` (a trie), then pad;
+    like most constraint functions it knows no continuation of a prefix it forbids (`[]`: transformers raises)."""
+
+    def allowed(batch_id, sent):
+        done = sent[prompt_length:].tolist()
+        if 2 in done:  # EOS written: the row is padded
+            return [0]
+        return sorted({c[len(done)] for c in candidates[batch_id] if c[: len(done)] == done and len(c) > len(done)})
+
+    return allowed
+
+
+@pytest.mark.parametrize("loop", ["chain", "tree"])
+def test_processors_never_see_a_draft_path_they_forbid(loop):
+    """A draft node whose token the constraint forbids can never be committed: its own scores were processed all the
+    same, with the forbidden path as context, and a trie-style `prefix_allowed_tokens_fn` returned `[]` there, which
+    transformers turns into a ValueError."""
+    model = make_tiny_llama(seed=2)
+    input_ids, attention_mask = _ragged_batch(1, seed=4)
+    candidates = {0: [[5, 6, 7, 8, 2], [5, 9, 9, 2], [11, 12, 2]]}
+    kwargs = {
+        "input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 8, "do_sample": False,
+        "prefix_allowed_tokens_fn": _candidates_constraint(candidates, input_ids.shape[1]),
+    }  # fmt: skip
+    reference = model.generate(**kwargs)
+    drafter = ReferenceDrafter(reference, depth=4, tree=loop == "tree", corrupt_every=1)  # a wrong token every pass
+    out = model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(out, reference)
+
+
 def test_hybrid_recurrent_models_are_refused_in_one_line():
     """A tree pass folds every draft node into a linear-attention / convolution state that cannot be rolled back."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
