@@ -86,6 +86,8 @@ for models whose config names each layer's type ([`attention_window`]).
   rule's) and the text does not depend on the draft tree. With draft probabilities, rejection sampling.
 """
 
+import copy
+import functools
 import inspect
 import time
 from collections import Counter
@@ -98,9 +100,11 @@ from transformers.generation import (
     EtaLogitsWarper,
     InfNanRemoveLogitsProcessor,
     LogitNormalization,
+    LogitsProcessorList,
     MaxLengthCriteria,
     MaxTimeCriteria,
     MinPLogitsWarper,
+    PrefixConstrainedLogitsProcessor,
     StopStringCriteria,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
@@ -298,6 +302,7 @@ def _process_tree_scores(logits_processor, state, tree_ids, parent, ancestors, l
     allowed = torch.ones_like(tree_ids, dtype=torch.bool)  # the node's path has positive probability
     for b in range(batch_size):
         row = int(state.rows[b])
+        processors = _for_row(logits_processor, row)
         prefix = state.sequences[row, : state.lengths[row] - 1]  # the root is the tree's node 0
         for node in range(num_nodes):
             up = int(parent[b, node])  # topological order: processed before its children
@@ -305,9 +310,28 @@ def _process_tree_scores(logits_processor, state, tree_ids, parent, ancestors, l
                 allowed[b, node] = False
                 continue
             context = torch.cat([prefix, tree_ids[b][ancestors[b, node]]])  # path order = node order
-            out = logits_processor(context.expand(full_batch, -1), logits[b, node].expand(full_batch, -1).clone())
+            out = processors(context.expand(full_batch, -1), logits[b, node].expand(full_batch, -1).clone())
             scores[b, node] = out[row]
     return scores
+
+
+def _for_row(logits_processor, row: int):
+    """`logits_processor` for a full-size batch whose every row holds a context of row `row`: a
+    `prefix_allowed_tokens_fn` is asked with `batch_id=row` at every index, since the others' constraints may have no
+    answer for that context (a per-row trie returns `[]`, which transformers raises on)."""
+    if not any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in logits_processor):
+        return logits_processor
+    bound = LogitsProcessorList()
+    for processor in logits_processor:
+        if isinstance(processor, PrefixConstrainedLogitsProcessor):
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = functools.partial(_ask_row, processor._prefix_allowed_tokens_fn, row)
+        bound.append(processor)
+    return bound
+
+
+def _ask_row(prefix_allowed_tokens_fn, row: int, batch_id: int, sent: torch.LongTensor) -> list[int]:
+    return prefix_allowed_tokens_fn(row, sent)
 
 
 def attention_window(config) -> tuple[int | None, bool]:

@@ -1122,6 +1122,24 @@ def test_processors_never_see_a_draft_path_they_forbid(loop):
     assert torch.equal(out, reference)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_prefix_allowed_tokens_fn_is_asked_about_each_row_with_its_own_batch_id(tree):
+    """Context-dependent processors run each row's nodes in a full-size batch holding that row's context at every
+    index: `prefix_allowed_tokens_fn` was asked for every `batch_id` about that context, and a row whose constraint
+    has no answer for another row's text (`[]`) made transformers raise at the first pass of a ragged batch."""
+    model = make_tiny_llama(seed=2)
+    input_ids, attention_mask = _ragged_batch(3, seed=4)
+    candidates = {0: [[5, 6, 7, 8, 2], [5, 9, 9, 2]], 1: [[20, 21, 22, 2], [20, 30, 2]], 2: [[40, 41, 42, 43, 44, 2]]}
+    kwargs = {
+        "input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 8, "do_sample": False,
+        "prefix_allowed_tokens_fn": _candidates_constraint(candidates, input_ids.shape[1]),
+    }  # fmt: skip
+    reference = model.generate(**kwargs)
+    drafter = ReferenceDrafter(reference, depth=3, tree=tree)
+    out = model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(out, reference)
+
+
 def test_hybrid_recurrent_models_are_refused_in_one_line():
     """A tree pass folds every draft node into a linear-attention / convolution state that cannot be rolled back."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
