@@ -108,6 +108,7 @@ from transformers.generation import (
     StopStringCriteria,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
+    TopHLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
@@ -129,10 +130,11 @@ from .tree import (
 
 
 # Processors whose output depends on the scores only, never on `input_ids`: one batched call serves every node.
+# Matched by exact class: a user's subclass may read the context, and takes the exact per-node path.
 _CONTEXT_FREE_PROCESSORS = (
     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
-    EpsilonLogitsWarper, EtaLogitsWarper, SuppressTokensLogitsProcessor, InfNanRemoveLogitsProcessor,
-    LogitNormalization,
+    EpsilonLogitsWarper, EtaLogitsWarper, TopHLogitsWarper, SuppressTokensLogitsProcessor,
+    InfNanRemoveLogitsProcessor, LogitNormalization,
 )  # fmt: skip
 
 
@@ -291,7 +293,7 @@ def _process_tree_scores(logits_processor, state, tree_ids, parent, ancestors, l
     if not len(logits_processor):
         return logits
     batch_size, num_nodes, vocab = logits.shape
-    if all(isinstance(p, _CONTEXT_FREE_PROCESSORS) for p in logits_processor):
+    if all(type(p) in _CONTEXT_FREE_PROCESSORS for p in logits_processor):
         flat = logits.reshape(batch_size * num_nodes, vocab)
         dummy = tree_ids.reshape(-1, 1)
         return logits_processor(dummy, flat).view(batch_size, num_nodes, vocab)

@@ -1091,6 +1091,29 @@ def test_context_dependent_processors_keep_greedy_identity(processor):
         assert torch.equal(out, reference)
 
 
+def test_a_subclass_of_a_context_free_processor_that_reads_the_context_keeps_greedy_identity():
+    """Context-free processors are known by exact class: a user's subclass of one may read `input_ids` and must be
+    run per node with the node's own path (it was run once on a dummy context, and the output differed)."""
+    from transformers import LogitsProcessorList, TopKLogitsWarper
+
+    class NoRecentRepeat(TopKLogitsWarper):  # top-k, then none of the context's last 3 tokens again
+        def __call__(self, input_ids, scores):
+            scores = super().__call__(input_ids, scores)
+            return scores.scatter(1, input_ids[:, -3:], -float("inf"))
+
+    model = make_tiny_llama(seed=2)
+    input_ids, attention_mask = _ragged_batch(2, seed=4)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 16, "do_sample": False}
+    free = model.generate(**kwargs)
+    processors = LogitsProcessorList([NoRecentRepeat(top_k=50)])
+    reference = model.generate(**kwargs, logits_processor=processors)
+    assert not torch.equal(reference, free)  # the processor changes the text
+    for drafts_from in (free, reference):
+        drafter = ReferenceDrafter(drafts_from, depth=4, tree=True)
+        out = model.generate(**kwargs, logits_processor=processors, custom_generate=custom_generate, drafter=drafter)
+        assert torch.equal(out, reference)
+
+
 def _candidates_constraint(candidates: dict, prompt_length: int):
     """A `prefix_allowed_tokens_fn` that makes row `batch_id` write one of `candidates[batch_id]` (a trie), then pad;
     like most constraint functions it knows no continuation of a prefix it forbids (`[]`: transformers raises)."""
