@@ -29,6 +29,13 @@ def first_divergence(reference: list[int], output: list[int]) -> int | None:
     return None if len(reference) == len(output) else min(len(reference), len(output))
 
 
+def until_eos(tokens: list[int], eos_token_ids: set[int]) -> list[int]:
+    """`tokens` up to and including the first EOS: the padding after it is as long as the batch's longest row, which
+    differs between the two outputs of a batch whenever another row does."""
+    end = next((i + 1 for i, token in enumerate(tokens) if token in eos_token_ids), len(tokens))
+    return tokens[:end]
+
+
 def top2_gap(logits: torch.Tensor) -> float:
     """Largest minus second-largest entry of a `[V]` logit vector."""
     top = logits.float().topk(2).values
@@ -61,6 +68,8 @@ def main(argv=None) -> int:
     kind, _, source = args.drafter.partition(":")
     drafter = build_drafter(kind, source or None, model, tokenizer)
     greedy = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "temperature": None, "top_k": None}
+    eos = model.generation_config.eos_token_id
+    eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     flips, tokens = [], 0
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
@@ -70,7 +79,8 @@ def main(argv=None) -> int:
         reference = model.generate(**kwargs, return_dict_in_generate=True, output_logits=True)
         out = model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
         for b, prompt in enumerate(batch):
-            ref, new = reference.sequences[b, width:].tolist(), out[b, width:].tolist()
+            ref = until_eos(reference.sequences[b, width:].tolist(), eos_token_ids)
+            new = until_eos(out[b, width:].tolist(), eos_token_ids)
             tokens += len(ref)
             position = first_divergence(ref, new)
             if position is not None:

@@ -5,6 +5,7 @@ import runpy
 from pathlib import Path
 
 import pytest
+import torch
 
 import hf_accel.loading
 from tests.conftest import make_tiny_llama
@@ -252,3 +253,34 @@ def test_probe_half_precision_flips_counts_differing_outputs_and_gives_the_gap_t
     ]
     run = run_script("probe_half_precision_flips.py")
     assert run["first_divergence"]([1, 2, 3], [1, 2]) == 2 and run["first_divergence"]([1, 2], [1, 2]) is None
+
+
+def test_probe_half_precision_flips_ignores_the_padding_after_a_rows_eos(monkeypatch, tmp_path, capsys):
+    """At --batch-size > 1 a finished row is padded to the batch's longest row, which differs between the two outputs
+    whenever another row does: an identical row was counted as a flip at its padding (and its padding as tokens)."""
+    from types import SimpleNamespace
+
+    model = make_tiny_llama(vocab_size=128)
+    model.generation_config.eos_token_id = 2
+    monkeypatch.setattr(hf_accel.loading, "load_model_and_tokenizer", lambda *a, **k: (model, make_char_tokenizer()))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"def f{i}(x):\n"}) + "\n" for i in range(2)))
+
+    def fake_generate(**kwargs):  # row 0 ends alike in both; row 1 differs at its third new token and ends there
+        width, pad = kwargs["input_ids"].shape[1], kwargs["pad_token_id"]
+        if "custom_generate" in kwargs:
+            new = [[5, 2, pad, pad], [6, 7, 2, pad]]
+        else:
+            new = [[5, 2, pad, pad, pad, pad], [6, 7, 8, 9, 10, 11]]
+        sequences = torch.cat([kwargs["input_ids"], torch.tensor(new)], dim=1)
+        if "custom_generate" in kwargs:
+            return sequences
+        logits = [torch.arange(128.0).repeat(2, 1) for _ in range(sequences.shape[1] - width)]  # gap 1 everywhere
+        return SimpleNamespace(sequences=sequences, logits=logits)
+
+    monkeypatch.setattr(model, "generate", fake_generate)
+    argv = ["--prompts", str(prompts), "--dtype", "float32", "--batch-size", "2", "--max-new-tokens", "6", "--json"]
+    assert run_script("probe_half_precision_flips.py")["main"](argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["flips"] == [{"question_id": "t1", "new_token": 2, "top2_gap": 1.0}]
+    assert report["reference_tokens"] == 2 + 6
