@@ -308,7 +308,8 @@ def _process_tree_scores(logits_processor, state, tree_ids, parent, ancestors, l
         prefix = state.sequences[row, : state.lengths[row] - 1]  # the root is the tree's node 0
         for node in range(num_nodes):
             up = int(parent[b, node])  # topological order: processed before its children
-            if up >= 0 and not (allowed[b, up] and scores[b, up, tree_ids[b, node]] > -float("inf")):
+            # Only -inf forbids: greedy decoding picks a NaN score.
+            if up >= 0 and (not allowed[b, up] or torch.isneginf(scores[b, up, tree_ids[b, node]])):
                 allowed[b, node] = False
                 continue
             context = torch.cat([prefix, tree_ids[b][ancestors[b, node]]])  # path order = node order

@@ -1114,6 +1114,29 @@ def test_a_subclass_of_a_context_free_processor_that_reads_the_context_keeps_gre
         assert torch.equal(out, reference)
 
 
+def test_a_nan_score_does_not_count_as_forbidding_a_draft_node():
+    """Only `-inf` forbids a node: greedy `generate` picks a NaN score (argmax), so a node whose parent's processed
+    score is NaN can be committed and its own scores must be processed with its path (they were left raw)."""
+    from transformers import LogitsProcessorList, TopKLogitsWarper
+
+    class NanAfterForty(TopKLogitsWarper):  # token 9 is NaN after token 40, and token 81 is forbidden after 9
+        def __call__(self, input_ids, scores):
+            scores = super().__call__(input_ids, scores)
+            scores[input_ids[:, -1] == 40, 9] = float("nan")
+            scores[input_ids[:, -1] == 9, 81] = -float("inf")
+            return scores
+
+    model = make_tiny_llama(seed=2)
+    input_ids, attention_mask = _ragged_batch(2, seed=4)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 24, "do_sample": False}
+    processors = LogitsProcessorList([NanAfterForty(top_k=50)])
+    reference = model.generate(**kwargs, logits_processor=processors)
+    assert 9 in reference[:, input_ids.shape[1] :]  # the NaN token is chosen
+    drafter = ReferenceDrafter(reference, depth=4, tree=True)
+    out = model.generate(**kwargs, logits_processor=processors, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(out, reference)
+
+
 def _candidates_constraint(candidates: dict, prompt_length: int):
     """A `prefix_allowed_tokens_fn` that makes row `batch_id` write one of `candidates[batch_id]` (a trie), then pad;
     like most constraint functions it knows no continuation of a prefix it forbids (`[]`: transformers raises)."""
