@@ -18,6 +18,7 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from .quant import QuantizedLatents
 from .reference import (
@@ -30,7 +31,14 @@ from .reference import (
 
 def _launch_guard(device: torch.device):
     """Make `device` current for a launch: Triton launches on the current CUDA device, not on its inputs' (a layer on
-    `cuda:1` under `device_map="auto"` while `cuda:0` is current would fail or run on the wrong GPU)."""
+    `cuda:1` under `device_map="auto"` while `cuda:0` is current would fail or run on the wrong GPU). CPU inputs run
+    only in Triton's interpreter; compiled, Triton's own error names neither them nor the fix ("0 active drivers")."""
+    if device.type == "cpu" and isinstance(_dequantize_tile, JITFunction):  # compiled, not interpreted
+        raise ValueError(
+            "The 'triton' Palu kernels need their inputs on a GPU, got CPU tensors: use the 'eager' backend (or "
+            "'auto', which picks it for CPU inputs), or set TRITON_INTERPRET=1 before triton is imported to run "
+            "Triton's interpreter."
+        )
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 

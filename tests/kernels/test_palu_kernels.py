@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -224,6 +225,31 @@ def test_triton_backend_without_triton_raises_clear_import_error(monkeypatch):
     monkeypatch.setattr(kernels, "is_triton_available", lambda: False)
     with pytest.raises(ImportError, match="pip install 'hf-accel\\[triton\\]'"):
         get_kernel("dequantize_matmul", "triton")
+
+
+@pytest.mark.skipif(not is_triton_available(), reason="needs the optional `triton` package")
+def test_compiled_triton_kernels_on_cpu_inputs_raise_a_clear_error():
+    # palu_kernel_backend="triton" on a CPU model, outside Triton's interpreter: Triton's own error was "0 active
+    # drivers ([]). There should only be one." on a machine without a GPU
+    code = textwrap.dedent(
+        """
+        import torch
+        from hf_accel.kernels import get_kernel
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+        args = torch.randn(1, 4, 1, 8), torch.randn(1, 1, 5, 6), torch.randn(1, 6, 16), torch.arange(5)[None], inv_freq
+        try:
+            get_kernel("rope_key_scores", "triton")(*args)
+        except ValueError as error:
+            print(error)
+        """
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(kernels.__file__)))
+    env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert result.stdout.startswith("The 'triton' Palu kernels need their inputs on a GPU, got CPU tensors"), (
+        result.stdout + result.stderr
+    )
 
 
 ROPE_CASES = [
