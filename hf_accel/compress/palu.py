@@ -638,7 +638,11 @@ def _eager_loader(name):
 
 
 def _missing_triton(*args, **kwargs):
-    raise ImportError("The 'triton' Palu kernels need `pip install 'hf-accel[triton]'`; or use the 'eager' backend.")
+    raise ImportError(
+        "This checkpoint's own copies of the Palu kernels have no 'triton' backend: it needs hf_accel installed from "
+        "the same kernel sources as the checkpoint (_SOURCES_HASH in its palu_kernels.py; convert the model again with "
+        "the installed hf_accel otherwise) and `triton` (`pip install 'hf-accel[triton]'`); or use the 'eager' backend."
+    )
 
 
 def resolve_auto_backend(device=None):  # noqa: F811

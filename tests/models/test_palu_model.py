@@ -614,6 +614,23 @@ def test_checkpoint_kernels_auto_backend_runs_the_copies_without_hf_accel(tmp_pa
         assert module.get_kernel(name, "auto") is getattr(module, name)
 
 
+def test_checkpoint_kernels_triton_backend_from_other_sources_names_the_sources(tmp_path):
+    # hf_accel[triton] installed, but from other kernel sources: the copies run, and they have no Triton kernels;
+    # their error said only "need `pip install 'hf-accel[triton]'`", which was already done and changes nothing
+    import importlib.util
+
+    from hf_accel.compress.palu import write_palu_kernels_file
+
+    path = write_palu_kernels_file(tmp_path / "palu_kernels.py")
+    path.write_text(path.read_text().replace("\n_SOURCES_HASH = '", "\n_SOURCES_HASH = 'other-", 1))
+    spec = importlib.util.spec_from_file_location("checkpoint_kernels_other_sources", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("rope_key_scores", "dequantize_matmul", "dequantize_attend"):
+        with pytest.raises(ImportError, match=r"installed from the same kernel sources as the checkpoint"):
+            module.get_kernel(name, "triton")()
+
+
 def test_the_checkpoint_sources_hash_ignores_line_endings(tmp_path):
     # the same sources checked out with \r\n (git autocrlf on Windows) must keep using the installed kernels
     import importlib.util
