@@ -167,7 +167,8 @@ class PaluAttentionMixin:
         # diff with LlamaAttention: the cache stores the latents, one "head" per group: [B, n_g, q, r]
         latent_k = self.k_down(hidden_states).view(bsz, q_len, self.num_groups, self.rank_k).transpose(1, 2)
         latent_v = self.v_down(hidden_states).view(bsz, q_len, self.num_groups, self.rank_v).transpose(1, 2)
-        backend = self.config.palu_kernel_backend
+        # the Triton kernels have no backward pass: with gradients on (training), the eager kernels' autograd
+        backend = "eager" if torch.is_grad_enabled() else self.config.palu_kernel_backend
         rope = {"attention_scaling": self.rotary_emb.attention_scaling, "scaling": self.scaling}
         inv_freq = self.rotary_emb.inv_freq
 
@@ -190,10 +191,7 @@ class PaluAttentionMixin:
                 past_len = past_key_values.get_seq_length(self.layer_idx)
                 latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
             positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)
-            # the Triton kernels have no backward pass: with gradients on (training), the eager kernel's autograd
-            kernel = get_kernel(
-                "rope_key_scores", "eager" if torch.is_grad_enabled() else backend, hidden_states.device
-            )
+            kernel = get_kernel("rope_key_scores", backend, hidden_states.device)
             full_precision = None  # [B, 1, q, S]: the reads a quantized model's full-precision window serves
             if quantized:  # training (gradients on, empty cache): the cache's reads, rounding passed straight through
                 if past_key_values is not None:  # the cache keeps what the cache path would have stored

@@ -562,6 +562,37 @@ def test_training_with_the_triton_backend_differentiates_the_scores(palu, monkey
         torch.testing.assert_close(got, expected)
 
 
+def test_a_pass_with_gradients_after_a_cached_prefix_differentiates_the_scores_with_triton(palu, monkeypatch):
+    # a quantized model's pass over a non-empty cache (a prefix cached under no_grad, then trained tokens) launched
+    # the Triton kernels with gradients on: queries, q_proj and k_up silently got none through the scores
+    from hf_accel.kernels import registry
+    from hf_accel.kernels.reference import dequantize_attend, rope_key_scores
+
+    def without_autograd(kernel):  # what a kernel launch returns
+        return lambda *args, **kwargs: kernel(*args, **kwargs).detach()
+
+    monkeypatch.setitem(
+        registry._KERNEL_LOADERS["rope_key_scores"], "triton", lambda: without_autograd(rope_key_scores)
+    )
+    monkeypatch.setitem(
+        registry._KERNEL_LOADERS["dequantize_attend"], "triton", lambda: without_autograd(dequantize_attend)
+    )
+    ids = _ids(2, 12, seed=4)
+    attn = palu.model.layers[0].self_attn
+    grads = {}
+    for backend in ("eager", "triton"):
+        monkeypatch.setattr(palu.config, "palu_kernel_backend", backend)
+        cache = make_palu_cache(palu.config)
+        with torch.no_grad():
+            palu(input_ids=ids[:, :7], past_key_values=cache, use_cache=True)
+        palu.zero_grad()
+        palu(input_ids=ids[:, 7:], past_key_values=cache, use_cache=True).logits.square().mean().backward()
+        grads[backend] = attn.k_up.grad.clone(), attn.q_proj.weight.grad.clone()
+    palu.zero_grad(set_to_none=True)
+    for got, expected in zip(grads["triton"], grads["eager"]):
+        torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("same_sources", [True, False])
 def test_checkpoint_kernels_use_the_installed_ones_only_from_the_same_sources(tmp_path, same_sources):
     # another hf_accel version's cache class may lack what this checkpoint's modeling code calls (e.g. a layer
