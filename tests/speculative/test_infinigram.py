@@ -739,6 +739,37 @@ def test_two_self_distillations_rewriting_one_cache_at_once_both_finish(tmp_path
     assert run() == answers
 
 
+def test_two_self_distillations_of_one_cache_at_once_leave_one_record_per_prompt(tmp_path, monkeypatch):
+    """Two `index build --self-distill` sharing one cache, started at once: both read it empty, both answer every prompt
+    and append; each prompt's answer was left in the file twice, and heal corpora and simulations take every line."""
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters import build
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(seed=0)
+    prompts = [BenchPrompt(question_id=str(i), category="t", text=t) for i, t in enumerate(["abc", "hello", "xyz"])]
+    cache = tmp_path / build.SELF_DISTILL_CACHE
+
+    def run():
+        return build.self_distill(model, _CharTokenizer(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)
+
+    generate, other = model.generate, []
+
+    def the_other_process_finishes_first(*args, **kwargs):  # this run has read the (empty) cache
+        monkeypatch.setattr(model, "generate", generate)
+        other.append(run())
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", the_other_process_finishes_first)
+    answers = run()
+    assert other == [answers]
+    records = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert sorted(r["question_id"] for r in records) == ["0", "1", "2"]
+    assert {r["key"]: r["tokens"] for r in records} == {
+        build._cache_key("", p.text, 4): a for p, a in zip(prompts, answers)
+    }
+
+
 def test_the_self_distillation_cache_is_per_generation_config(tmp_path):
     """A `generation_config.json` fixed after a first build (another EOS id, a repetition penalty) changes the greedy
     answers with the same weights: the cached answers of the old config must not be reused."""

@@ -210,7 +210,8 @@ def self_distill(
     done = {k: r["tokens"] for k, r in records.items() if r.get("model", fingerprint) == fingerprint}
     todo = sorted({k: p for k, p in zip(keys, prompts) if k not in done}.items(), key=lambda kp: len(kp[1].text))
     # one record per key: readers of the file (heal corpora, simulations) take every line, so the file is rewritten
-    # when records were stamped or are replaced, or a run killed while replacing some left duplicates
+    # when records were stamped or are replaced, or a run killed while replacing some left duplicates, or (checked at
+    # the end) another process sharing the cache appended answers to the same prompts while this one generated them
     rewrite = adopted or num_lines > len(records) or any(k in records for k, _ in todo)
     extra = {}
     if use_speculation:
@@ -244,24 +245,27 @@ def self_distill(
             with _cache_lock(cache_file), open(cache_file, "ab", buffering=0) as cache:
                 cache.write("".join(lines).encode("utf-8"))
             bar.update(len(batch))
-    if rewrite:
+    if rewrite or todo:
         _rewrite_self_distill_cache(cache_file, adopted, fingerprint, weights)
     return [done[k] for k in keys]
 
 
 def _rewrite_self_distill_cache(cache_file: Path, adopted: set[str], fingerprint: str, weights: str) -> None:
     """The cache rewritten with one record per key (the last one), the `adopted` keys' records without a fingerprint
-    or with the weights-only one `weights` stamped `fingerprint`. It is read again first, so that answers another
-    process appended before are kept, and written atomically ([`replace_atomically`]) with the file's permissions: an
-    interruption leaves a whole file. The cache lock is held from the re-read to the rename, so no other process
-    appends (or rewrites) in between."""
+    or with the weights-only one `weights` stamped `fingerprint`; left as it is when it already holds that. It is read
+    again first, so that answers another process appended before are kept (and its answers to the same prompts, which
+    it generated at the same time, not kept twice), and written atomically ([`replace_atomically`]) with the file's
+    permissions: an interruption leaves a whole file. The cache lock is held from the re-read to the rename, so no
+    other process appends (or rewrites) in between."""
     from ...atomic import replace_atomically
 
     with _cache_lock(cache_file):
-        records, _ = _read_locked_self_distill_cache(cache_file)
-        for key in adopted:
-            if key in records and records[key].get("model", weights) == weights:
-                records[key]["model"] = fingerprint
+        records, num_lines = _read_locked_self_distill_cache(cache_file)
+        stamp = [k for k in adopted if k in records and records[k].get("model", weights) == weights]
+        if not stamp and num_lines == len(records):
+            return
+        for key in stamp:
+            records[key]["model"] = fingerprint
         mode = stat.S_IMODE(cache_file.stat().st_mode)
         replace_atomically(cache_file, _write_records, list(records.values()), mode)
 
