@@ -465,6 +465,11 @@ def _resume_target(args: HealingArguments):
         return last
     if not (Path(value) / "trainer_state.json").is_file():  # before the models load, not after packing the text
         raise ValueError(f"--resume_from_checkpoint {value}: not a Trainer checkpoint (no trainer_state.json)")
+    if not _whole_trainer_state(value):
+        raise ValueError(
+            f"--resume_from_checkpoint {value}: its trainer_state.json is cut short (a save killed while writing it); "
+            "resume from an earlier checkpoint"
+        )
     return value
 
 
@@ -533,16 +538,27 @@ class _RunSettingsCallback(TrainerCallback):
 
 
 def _last_complete_checkpoint(output_dir) -> str | None:
-    """The newest `checkpoint-N` that holds a `trainer_state.json` (written last by the Trainer, so a save that was
-    interrupted is skipped for the one before it)."""
+    """The newest `checkpoint-N` that holds a whole `trainer_state.json` (written last by the Trainer, so a save that
+    was interrupted, even while writing that file, is skipped for the one before it)."""
     pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
     found = [
         (int(m.group(1)), d)
         for d in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
         if (m := pattern.match(d.name))
     ]
-    complete = [(step, d) for step, d in found if (d / "trainer_state.json").is_file()]
-    return str(max(complete)[1]) if complete else None
+    for _, folder in sorted(found, reverse=True):
+        if _whole_trainer_state(folder):
+            return str(folder)
+    return None
+
+
+def _whole_trainer_state(checkpoint) -> bool:
+    """Whether `checkpoint` holds a `trainer_state.json` that is a whole JSON object: the Trainer writes it in place,
+    so a kill while it does leaves it empty or cut short, and the Trainer's resume failed on it with a bare JSON error."""
+    try:
+        return isinstance(json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8")), dict)
+    except (OSError, ValueError):
+        return False
 
 
 _CARD_SETTINGS = (

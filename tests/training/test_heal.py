@@ -939,6 +939,28 @@ def test_resume_last_skips_an_interrupted_checkpoint(tmp_path):
     assert _last_complete_checkpoint(tmp_path / "missing") is None
 
 
+@pytest.mark.parametrize("cut", ["", '{\n  "best_global_step": null,\n  "best_met'])
+def test_a_checkpoint_whose_trainer_state_a_kill_cut_short_is_skipped_or_refused_in_one_line(
+    checkpoints, tmp_path, cut
+):
+    # the Trainer writes trainer_state.json last but in place: a kill while it did left an empty or cut file, which
+    # `last` took for the newest checkpoint, and the resume failed on a bare "Expecting value: line 1 column 1"
+    from hf_accel.training.heal import _last_complete_checkpoint
+
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text(cut)
+    assert _last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    named = str(tmp_path / "checkpoint-4")
+    with pytest.raises(ValueError) as error:
+        run_healing(_args(checkpoints, tmp_path / "out", resume_from_checkpoint=named))
+    assert str(error.value) == (
+        f"--resume_from_checkpoint {named}: its trainer_state.json is cut short (a save killed while writing it); "
+        "resume from an earlier checkpoint"
+    )
+
+
 @pytest.mark.parametrize("value", ["last", "True"])
 def test_resume_last_without_a_complete_checkpoint_is_refused_in_one_line(checkpoints, tmp_path, value):
     # an interrupted save (no trainer_state.json) is no checkpoint to resume: the message said there was no
