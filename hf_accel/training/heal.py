@@ -27,6 +27,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..atomic import replace_atomically
 from ..cli import strict_json
 from ..hub import copy_remote_code, is_hf_accel_card, published_name
 from ..loading import to_checkpoint_dtype
@@ -515,7 +516,14 @@ def _check_resume_settings(args: HealingArguments, checkpoint: str) -> None:
     written = Path(checkpoint) / RUN_FILE
     if not written.is_file():
         return
-    before, now = json.loads(written.read_text(encoding="utf-8")), run_settings(args)
+    try:
+        before = json.loads(written.read_text(encoding="utf-8"))
+    except ValueError:  # cut short by a kill in an earlier version, which wrote it in place
+        raise ValueError(
+            f"--resume_from_checkpoint {args.resume_from_checkpoint}: {written} is not valid JSON; delete it to "
+            "resume without checking the run settings"
+        ) from None
+    now = run_settings(args)
     changed = [f"{k}={before.get(k)!r}, now {now[k]!r}" for k in now if before.get(k) != now[k]]
     if changed:
         raise ValueError(
@@ -534,7 +542,10 @@ class _RunSettingsCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if args.should_save and folder.is_dir():
-            (folder / RUN_FILE).write_text(json.dumps(self.settings, indent=1), encoding="utf-8")
+            # atomically: it is written after the Trainer's trainer_state.json, so a kill while it was written in place
+            # left a complete checkpoint whose resume failed on a bare JSON error
+            text = json.dumps(self.settings, indent=1)
+            replace_atomically(folder / RUN_FILE, Path.write_text, text, "utf-8")
 
 
 def _last_complete_checkpoint(output_dir) -> str | None:

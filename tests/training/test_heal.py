@@ -975,6 +975,36 @@ def test_resume_last_without_a_complete_checkpoint_is_refused_in_one_line(checkp
         (out / "checkpoint-2").mkdir(parents=True, exist_ok=True)
 
 
+def test_a_checkpoint_whose_run_settings_a_kill_cut_short_resumes(checkpoints, tmp_path, monkeypatch):
+    # healing_run.json is written after the Trainer's trainer_state.json, in place: a kill while it was written left a
+    # complete checkpoint that `last` picked and whose resume failed on a bare "Expecting value: line 1 column 1"
+    from hf_accel.training.heal import RUN_FILE
+
+    out, write_text = tmp_path / "run", Path.write_text
+
+    def killed_while_writing_the_run_settings(self, data, *args, **kwargs):
+        if self.parent.name == "checkpoint-2" and RUN_FILE in self.name:
+            write_text(self, data[: len(data) // 2], *args, **kwargs)
+            raise KeyboardInterrupt
+        return write_text(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", killed_while_writing_the_run_settings)
+    with pytest.raises(KeyboardInterrupt):
+        run_healing(_args(checkpoints, out, max_steps=2, save_steps=2, validation_file=None))
+    monkeypatch.undo()
+    assert not (out / "checkpoint-2" / RUN_FILE).exists()  # whole or absent: a checkpoint without it resumes unchecked
+    resumed = _args(checkpoints, out, max_steps=3, validation_file=None, resume_from_checkpoint="last")
+    assert run_healing(resumed).summary["steps"] == 3
+    # one cut by an earlier version, which wrote it in place: refused in one line that names it
+    (out / "checkpoint-3" / RUN_FILE).write_text('{\n "model_name_or_path": "/tm')
+    with pytest.raises(ValueError) as error:
+        run_healing(_args(checkpoints, out, max_steps=4, validation_file=None, resume_from_checkpoint="last"))
+    assert str(error.value) == (
+        f"--resume_from_checkpoint last: {out / 'checkpoint-3' / RUN_FILE} is not valid JSON; delete it to resume "
+        "without checking the run settings"
+    )
+
+
 def test_a_checkpoint_named_by_its_path_and_without_run_settings_resumes(checkpoints, tmp_path):
     # a checkpoint written before healing_run.json existed is resumed unchecked, here named by its path
     out = tmp_path / "run"
