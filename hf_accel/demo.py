@@ -115,9 +115,14 @@ def _care_model(name: str, model, tokenizer, kv_keep: float):
         result = run_care_conversion(model, tokenizer, config, None, True, num_samples=32, seq_len=64)
         base_model = None if looks_like_local_path(name) else name  # a local model's cache gets no model card
         # Saved and stamped in a staging folder, then renamed into place: another demo running at the same time
-        # never sees a checkpoint without its stamp (and so never removes one being written)
+        # never sees a checkpoint without its stamp (and so never removes one being written). The folder is named by
+        # this process and host, so that the ones killed demos left (a whole checkpoint each) are removed here.
+        from .atomic import _host_name, _remove_dead_scratch
+
         cached.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
+        _remove_dead_scratch(cached.parent, f".{cached.name}-", _host_name())
+        prefix = f".{cached.name}-{os.getpid()}@{_host_name()}-"
+        staging = Path(tempfile.mkdtemp(prefix=prefix, dir=cached.parent))
         try:
             staged = save_care_model(result, tokenizer, staging / cached.name, base_model)
             (staged / _SOURCE_STAMP).write_text(source + "\n")

@@ -500,6 +500,28 @@ def test_two_demos_converting_the_same_model_at_once_leave_one_whole_checkpoint(
     assert len(conversions) == 1 + (other_demo == "finished first")
 
 
+def test_a_demo_removes_the_staging_folder_a_killed_demo_left(tmp_path, monkeypatch):
+    """A demo killed while converting (SIGKILL, the OOM killer: no `finally` runs) left its staging folder, a whole
+    CARE checkpoint, in $HF_ACCEL_HOME/models for good; another running demo's folder stays."""
+    import socket
+
+    from hf_accel import demo
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
+    name = str(tmp_path / "mine")
+    target = demo.care_cache_dir(name, 0.5)
+    host = socket.gethostname().replace("-", "_")
+    dead = target.parent / f".{target.name}-999999999@{host}-k1ll3d"
+    live = target.parent / f".{target.name}-{os.getppid()}@{host}-running"  # pytest's parent: a running demo's
+    for folder in (dead, live):
+        (folder / target.name).mkdir(parents=True)
+        (folder / target.name / "model.safetensors").write_bytes(b"half")
+    demo._care_model(name, make_tiny_llama(vocab_size=VOCAB_SIZE), make_char_tokenizer(), 0.5)
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, live.name])
+
+
 @pytest.mark.parametrize("other_demo", ["its copy landed first", "none"])
 def test_a_demo_whose_rename_fails_keeps_another_demos_copy_or_reports_it(tmp_path, monkeypatch, other_demo):
     """Two demos finishing at once: the second rename meets the first's finished copy (directory not empty) and
