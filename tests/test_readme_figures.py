@@ -1,0 +1,61 @@
+"""The README's benchmark tables hold every cell their issue asks for, with the figures of the JSON records they cite."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _table(header: str) -> list[list[str]]:
+    """The body rows (cells stripped) of the README's Markdown table whose header line is `header`."""
+    assert README.count(header + "\n") == 1, f"README has no single table headed {header!r}"
+    lines = README.split(header + "\n", 1)[1].splitlines()[1:]  # past the |---| line
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def _numbers(cell: str) -> list[float]:
+    return [float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*(?:\.\d+)?", cell)]
+
+
+CARE_METHODS = ["svd", "asvd", "care-u", "care-e-raw", "care-e-rel", "care"]
+CARE_HEADER = "| kv-keep | {} | **care** (default) |"
+
+
+@pytest.fixture(scope="module")
+def care_results():
+    report = json.loads((ROOT / "scripts" / "bench_care_results.json").read_text())
+    return {(r["kv_keep"], r["method"]): r for r in report["results"]}
+
+
+def test_the_care_table_gives_perplexities_and_bytes_of_every_method_and_budget(care_results):
+    """Issue 3: SVD, ASVD, CARE-U, CARE-E and the default at kv-keep 0.75 / 0.5 / 0.25 / 0.125, perplexity on
+    tinyshakespeare and on generated text, and cache bytes per token, as `scripts/bench_care_results.json` has them."""
+    rows = _table(CARE_HEADER.format("KV bytes/token | " + " | ".join(CARE_METHODS[:-1])))
+    by_budget = {float(row[0].split()[0]): row for row in rows}
+    assert set(by_budget) == {1.0, 0.75, 0.5, 0.25, 0.125}
+    for kv_keep in (0.75, 0.5, 0.25, 0.125):
+        row = by_budget[kv_keep]
+        assert _numbers(row[1]) == [care_results[kv_keep, "care"]["cache_bytes_per_token"]]
+        for method, cell in zip(CARE_METHODS, row[2:]):
+            ppl = care_results[kv_keep, method]["ppl"]
+            assert _numbers(cell) == pytest.approx([ppl["shakespeare"], ppl["generated"]], rel=0.01), (kv_keep, method)
+
+
+def test_the_care_table_gives_the_conversion_time_of_every_method_and_budget(care_results):
+    """Issue 3 asks the README's table for conversion time too; it gave a range and sent the reader to
+    `scripts/bench_care.md`."""
+    rows = _table(CARE_HEADER.format(" | ".join(CARE_METHODS[:-1])))
+    assert [float(row[0]) for row in rows] == [0.75, 0.5, 0.25, 0.125]
+    for row in rows:
+        seconds = [care_results[float(row[0]), method]["factorization_seconds"] for method in CARE_METHODS]
+        assert [_numbers(cell) for cell in row[1:]] == [[round(s, 1)] for s in seconds], row
