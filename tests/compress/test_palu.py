@@ -127,6 +127,26 @@ def test_full_rank_reproduces_original_logits(model, tokenizer, group_size, rank
         torch.testing.assert_close(palu(ids).logits, model(ids).logits, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv_keep", [0.25, 0.5])
+def test_j_lrd_with_uniform_ranks_is_care_u(model, kv_keep):
+    """Issue 4 and the README ("gs 3 is J-LRD ..., so its uniform rows are CARE-U's factorization at the same
+    budget"): one group of all KV heads with uniform ranks, unrotated, is CARE-U's model, from the same statistics."""
+    from hf_accel.compress.care import convert_care
+    from tests.compress.care_helpers import tiny_calibration
+
+    calibration = tiny_calibration(model)
+    palu, info = convert_palu(
+        model, None, kv_keep=kv_keep, group_size=4, ranks="uniform", hadamard=False, calibration=calibration,
+        rank_multiple=1, progress=False,
+    )  # fmt: skip
+    care = convert_care(model, kv_keep=kv_keep, method="care-u", calibration=calibration, progress=False)
+    assert (info["k_ranks"], info["v_ranks"]) == (care.config.care_k_ranks, care.config.care_v_ranks)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(palu(ids).logits, care(ids).logits, atol=1e-6, rtol=0)
+        assert not torch.allclose(palu(ids).logits, model(ids).logits, atol=1e-3)  # truncated for real
+
+
 def test_hadamard_folding_leaves_unquantized_outputs_unchanged(model, tokenizer):
     common = {"kv_keep": 0.5, "group_size": 2, "ranks": "uniform", "calibration_text": CALIB_TEXT, **FAST}
     plain, _ = convert_palu(model, tokenizer, hadamard=False, **common)
