@@ -59,3 +59,25 @@ def test_the_care_table_gives_the_conversion_time_of_every_method_and_budget(car
     for row in rows:
         seconds = [care_results[float(row[0]), method]["factorization_seconds"] for method in CARE_METHODS]
         assert [_numbers(cell) for cell in row[1:]] == [[round(s, 1)] for s in seconds], row
+
+
+def _palu_rows(name):
+    report = json.loads((ROOT / "docs" / "palu" / name).read_text())
+    return {(r["group_size"], r["ranks"], r["kv_keep"], r["hadamard"], r["bits"]): r for r in report["rows"]}
+
+
+def _palu_cell(row) -> list[float]:
+    return [round(row["ppl_text"], 1), round(row["ppl_generated"], 2), row["cache_bytes_per_token"]]
+
+
+def test_the_palu_tables_give_every_bit_width_without_the_rotation():
+    """Issue 4: perplexity and bytes for gs 1/3, uniform vs Fisher, with and without WHT at 2/3/4 bits, at kv-keep
+    0.75 and 0.5. The main table has no 4-bit column without WHT; its own table gives it, as its JSON record has it."""
+    records = _palu_rows("bench_palu_no_hadamard_4bit.json")
+    rows = _table("| gs | ranks | kv-keep | float latents | 4-bit, no WHT | 2-bit, no WHT |")
+    cells = {(int(row[0]), row[1], float(row[2])): row[3:] for row in rows}
+    expected = {(gs, ranks, kv) for gs in (1, 3) for ranks in ("uniform", "fisher", "kfac") for kv in (0.75, 0.5)}
+    assert set(cells) == expected
+    for gs, ranks, kv in expected:
+        want = [records[gs, ranks, kv, True, 0], records[gs, ranks, kv, False, 4], records[gs, ranks, kv, False, 2]]
+        assert [_numbers(cell) for cell in cells[gs, ranks, kv]] == [_palu_cell(r) for r in want], (gs, ranks, kv)
