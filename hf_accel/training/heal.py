@@ -245,6 +245,17 @@ class HealingTrainer(Trainer):
         self.model_accepts_loss_kwargs = True
         self._loss_parts = {"ce": [], "kd": []}
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # The Trainer's loop checks for `max_steps` after a step only (DefaultFlowCallback.on_step_end), so a resume
+        # from the last step's checkpoint (a kill during the final save) trained one step more. Its loop
+        # (`Trainer._run_epoch`, transformers 5) asks here for each step's batches: none, and a stop, end it before
+        # that step. The checkpoint's weights and state are loaded by then, and the Trainer finishes as after the last
+        # step of an uninterrupted run (on_train_end: the last perplexity, if the killed run had not measured it).
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         labels = inputs.pop("labels")

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -211,6 +212,36 @@ def test_resume_from_checkpoint_continues_the_run(checkpoints, lora_run):
     # published with the model: the local teacher is named by a hash, not its path
     assert history["validation"]["reference_model"].startswith("local:")
     assert str(checkpoints["root"]) not in (output_dir / "ppl_history.json").read_text()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"max_steps": 2},
+        {"max_steps": 2, "use_lora": False},
+        {"max_steps": -1, "num_train_epochs": 0.04, "gradient_accumulation_steps": 2},  # the epochs give max_steps
+    ],
+)
+def test_a_resume_from_the_last_steps_checkpoint_finishes_as_the_uninterrupted_run(checkpoints, tmp_path, settings):
+    # a kill during the final save (merge, healed weights) leaves checkpoint-N of the last step: the Trainer checks for
+    # max_steps after a step only, so the resume trained step N + 1, and its summary said steps N + 1 and one more
+    # batch of tokens. A constant schedule trains that step at a rate above 0 (linear and cosine end at 0 exactly).
+    settings = {**settings, "save_steps": 2, "lr_scheduler_type": "constant"}
+    done = run_healing(_args(checkpoints, tmp_path / "done", **settings))
+    steps = done.summary["steps"]
+    killed = tmp_path / "killed"
+    shutil.copytree(tmp_path / "done", killed)
+    (killed / "healing_summary.json").unlink()
+    (killed / "model.safetensors").unlink()
+    shutil.rmtree(killed / "adapter", ignore_errors=True)  # LoRA's, written before the merged model
+    resumed = run_healing(_args(checkpoints, killed, resume_from_checkpoint="last", **settings))
+    assert {**resumed.summary, "output_dir": None, "plot": None} == {**done.summary, "output_dir": None, "plot": None}
+    assert steps == 2 and not (killed / "checkpoint-3").exists()
+    before, after = done.model.state_dict(), resumed.model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert (killed / "healing_summary.json").read_text() == (tmp_path / "done" / "healing_summary.json").read_text()
+    history = json.loads((killed / "ppl_history.json").read_text())
+    assert [p["step"] for p in history["points"]] == [0, 2]
 
 
 @pytest.mark.parametrize(
