@@ -125,14 +125,15 @@ def _store_head_scores(
 def _rope_key_scores_kernel(
     q_ptr, latent_ptr, codes_ptr, scales_ptr, zeros_ptr, up_ptr, pos_ptr, inv_freq_ptr, out_ptr,
     num_heads, num_kv_heads, q_len, seq_len, rank, kv_per_group, groups, attention_scaling, scaling,
-    num_bytes, num_qgroups, group_size,
+    num_bytes, num_qgroups, group_size, seq_tiles,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BITS: tl.constexpr, QUANTIZED: tl.constexpr,
     IEEE_K: tl.constexpr, IEEE_Q: tl.constexpr,
 ):  # fmt: skip
-    pid_bg = tl.program_id(0).to(tl.int64)  # b · groups + g
+    pid = tl.program_id(0).to(tl.int64)  # (b · groups + g) · seq_tiles + sequence tile
+    pid_bg = pid // seq_tiles
     b, g = pid_bg // groups, pid_bg % groups
-    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_s = (pid % seq_tiles) * BLOCK_S + tl.arange(0, BLOCK_S)
     mask_s = offs_s < seq_len
     offs_h = tl.arange(0, BLOCK_HALF)
     mask_h = offs_h < HALF
@@ -184,13 +185,14 @@ def rope_key_scores(
         latent = codes = scales = zeros = latent_keys.contiguous()
         packing = (1, 1, 1, 8)
     half, block_s = head_dim // 2, 64
-    grid = (batch * groups, triton.cdiv(seq_len, block_s))
+    seq_tiles = triton.cdiv(seq_len, block_s)
+    grid = (batch * groups * seq_tiles,)  # on axis 0 (CUDA allows 65,535 programs on axes 1 and 2: 4M tokens)
     with _launch_guard(out.device):
         _rope_key_scores_kernel[grid](
             query_states.contiguous(), latent, codes, scales, zeros, up_proj.contiguous(), key_positions.contiguous(),
             inv_freq.float().contiguous(), out,
             num_heads, num_kv_heads, q_len, seq_len, rank, width // head_dim, groups,
-            float(attention_scaling), float(scaling), *packing[:3],
+            float(attention_scaling), float(scaling), *packing[:3], seq_tiles,
             HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_S=block_s,
             BLOCK_R=32, BLOCK_Q=16, BITS=packing[3], QUANTIZED=quantized,
             IEEE_K=up_proj.dtype == torch.float32, IEEE_Q=query_states.dtype == torch.float32,
@@ -201,13 +203,14 @@ def rope_key_scores(
 @triton.jit
 def _dequantize_matmul_kernel(
     codes_ptr, scales_ptr, zeros_ptr, w_ptr, out_ptr,
-    groups, seq_len, rank, n_out, num_bytes, num_qgroups, group_size, w_batch_stride,
+    groups, seq_len, rank, n_out, num_bytes, num_qgroups, group_size, w_batch_stride, seq_tiles,
     BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    pid_bg = tl.program_id(0).to(tl.int64)  # b · groups + g
+    pid = tl.program_id(0).to(tl.int64)  # (b · groups + g) · seq_tiles + sequence tile
+    pid_bg = pid // seq_tiles
     b, g = pid_bg // groups, pid_bg % groups
-    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_s = (pid % seq_tiles) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_s, mask_n = offs_s < seq_len, offs_n < n_out
     token = pid_bg * seq_len + offs_s  # flat (b, g, s) token row
     w_base = w_ptr + b * w_batch_stride + g * rank * n_out
@@ -237,12 +240,14 @@ def dequantize_matmul(quantized: QuantizedLatents, weight: torch.Tensor) -> torc
         return out
     w_batch_stride = groups * rank * n_out if weight.dim() == 4 and weight.shape[0] > 1 else 0
     block_s, block_n = 32, 32
-    grid = (batch * groups, triton.cdiv(seq_len, block_s), triton.cdiv(n_out, block_n))
+    seq_tiles = triton.cdiv(seq_len, block_s)
+    grid = (batch * groups * seq_tiles, triton.cdiv(n_out, block_n))  # sequence tiles on axis 0, as above
     with _launch_guard(out.device):
         _dequantize_matmul_kernel[grid](
             quantized.codes.contiguous(), quantized.scales.contiguous(), quantized.zeros.contiguous(),
             weight.contiguous(), out,
             groups, seq_len, rank, n_out, num_bytes, quantized.scales.shape[-1], quantized.group_size, w_batch_stride,
+            seq_tiles,
             BITS=quantized.bits, BLOCK_S=block_s, BLOCK_R=32, BLOCK_N=block_n, IEEE=weight.dtype == torch.float32,
         )  # fmt: skip
     return out
@@ -252,9 +257,11 @@ def dequantize_matmul(quantized: QuantizedLatents, weight: torch.Tensor) -> torc
 def _dequantize_attend_kernel(
     probs_ptr, codes_ptr, scales_ptr, zeros_ptr, out_ptr,
     groups, num_heads, q_len, used_len, seq_len, rank, num_bytes, num_qgroups, group_size, split_len, split_stride,
+    row_tiles,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    pid_bg = tl.program_id(0).to(tl.int64)  # b · groups + g
+    pid = tl.program_id(0).to(tl.int64)  # (b · groups + g) · row_tiles + tile of the group's query rows
+    pid_bg = pid // row_tiles
     b, g = pid_bg // groups, pid_bg % groups
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
@@ -262,29 +269,46 @@ def _dequantize_attend_kernel(
     start = split * split_len  # this program's slice of the keys (split-K over the sequence)
     end = tl.minimum(start + split_len, used_len)
     heads_per_group = num_heads // groups
-    num_rows = heads_per_group * q_len
-    out_base = out_ptr + split.to(tl.int64) * split_stride  # partial sums of this split: [B, H, q_len, r]
-    for m0 in range(0, num_rows, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = m < num_rows
-        row = (b * num_heads + g * heads_per_group + m // q_len) * q_len + m % q_len  # flat (b, head, t)
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for s0 in range(start, end, BLOCK_S):
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            mask_s = offs_s < end
-            token = pid_bg * seq_len + offs_s
-            values = _dequantize_tile(
-                codes_ptr, scales_ptr, zeros_ptr, token, offs_r, mask_s[:, None] & mask_r[None, :],
-                num_bytes, num_qgroups, group_size, BITS,
-            )  # fmt: skip
-            p = tl.load(
-                probs_ptr + row[:, None] * used_len + offs_s[None, :],
-                mask=mask_m[:, None] & mask_s[None, :],
-                other=0.0,
-            )
-            acc = _dot(p, values.to(p.dtype), acc, IEEE)
-        out_ptrs = out_base + row[:, None] * rank + offs_r[None, :]
-        tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
+    m = (pid % row_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows (head of the group, t) of this program
+    mask_m = m < heads_per_group * q_len
+    row = (b * num_heads + g * heads_per_group + m // q_len) * q_len + m % q_len  # flat (b, head, t)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < end
+        token = pid_bg * seq_len + offs_s
+        values = _dequantize_tile(
+            codes_ptr, scales_ptr, zeros_ptr, token, offs_r, mask_s[:, None] & mask_r[None, :],
+            num_bytes, num_qgroups, group_size, BITS,
+        )  # fmt: skip
+        p = tl.load(
+            probs_ptr + row[:, None] * used_len + offs_s[None, :],
+            mask=mask_m[:, None] & mask_s[None, :],
+            other=0.0,
+        )
+        acc = _dot(p, values.to(p.dtype), acc, IEEE)
+    out_ptrs = out_ptr + split.to(tl.int64) * split_stride + row[:, None] * rank + offs_r[None, :]  # [B, H, q_len, r]
+    tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
+
+
+def attend_launch_plan(
+    batch: int, groups: int, rows_per_group: int, rank: int, used_len: int, block_m: int, block_r: int, block_s: int
+) -> tuple[int, int, int, int]:
+    """`(row_tiles, rank_tiles, num_splits, split_len)` of `dequantize_attend`'s grid `(batch · groups · row_tiles,
+    rank_tiles, num_splits)`.
+
+    Every program computes one `[block_m, block_r]` tile of a group's query rows (`num_heads / groups · q_len`) over
+    one slice of `split_len` keys. The keys are split (split-K) only until about 512 programs fill the GPU, so a
+    decoding step (one tile of rows per group) reads a long cache in parallel, while a prefill, whose row tiles
+    already fill it, is not split: its partial sums, one `[batch, num_heads, q_len, rank]` float32 buffer per split,
+    stay about the size of the output (splitting by keys alone gave a 4,096-token prefill of a Llama-3-8B-shaped layer
+    22 of them, 4.4 GB).
+    """
+    row_tiles, rank_tiles = triton.cdiv(rows_per_group, block_m), triton.cdiv(rank, block_r)
+    seq_tiles = max(1, triton.cdiv(used_len, block_s))
+    num_splits = max(1, min(seq_tiles, triton.cdiv(512, batch * groups * row_tiles * rank_tiles)))
+    split_len = triton.cdiv(seq_tiles, num_splits) * block_s
+    return row_tiles, rank_tiles, max(1, triton.cdiv(used_len, split_len)), split_len
 
 
 def dequantize_attend(probs: torch.Tensor, quantized: QuantizedLatents) -> torch.Tensor:
@@ -293,22 +317,21 @@ def dequantize_attend(probs: torch.Tensor, quantized: QuantizedLatents) -> torch
     batch, num_heads, q_len, used_len = probs.shape
     groups, seq_len, num_bytes = quantized.codes.shape[1:]
     rank = quantized.dim
-    block_s, block_r = 32, 32
-    r_tiles, s_tiles = triton.cdiv(rank, block_r), max(1, triton.cdiv(used_len, block_s))
-    # split the keys so that short batches still fill the GPU; partial sums are added in a fixed order (deterministic)
-    num_splits = max(1, min(s_tiles, triton.cdiv(512, batch * groups * r_tiles)))
-    split_len = triton.cdiv(s_tiles, num_splits) * block_s
-    num_splits = max(1, triton.cdiv(used_len, split_len))
+    block_m, block_s, block_r = 16, 32, 32
+    row_tiles, r_tiles, num_splits, split_len = attend_launch_plan(
+        batch, groups, num_heads // groups * q_len, rank, used_len, block_m, block_r, block_s
+    )
+    # partial sums of the key splits, added in a fixed order (deterministic)
     partial = torch.zeros(num_splits, batch, num_heads, q_len, rank, dtype=torch.float32, device=probs.device)
     if partial.numel() == 0 or used_len == 0:
         return partial.sum(0)
-    grid = (batch * groups, r_tiles, num_splits)
+    grid = (batch * groups * row_tiles, r_tiles, num_splits)
     with _launch_guard(partial.device):
         _dequantize_attend_kernel[grid](
             probs.contiguous(), quantized.codes.contiguous(), quantized.scales.contiguous(),
             quantized.zeros.contiguous(), partial,
             groups, num_heads, q_len, used_len, seq_len, rank, num_bytes, quantized.scales.shape[-1],
-            quantized.group_size, split_len, batch * num_heads * q_len * rank,
-            BITS=quantized.bits, BLOCK_M=16, BLOCK_S=block_s, BLOCK_R=block_r, IEEE=probs.dtype == torch.float32,
+            quantized.group_size, split_len, batch * num_heads * q_len * rank, row_tiles,
+            BITS=quantized.bits, BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_R=block_r, IEEE=probs.dtype == torch.float32,
         )  # fmt: skip
-    return partial.sum(0)
+    return partial[0] if num_splits == 1 else partial.sum(0)

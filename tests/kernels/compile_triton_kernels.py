@@ -29,7 +29,8 @@ def _cases():
         lambda: _compile(
             triton_palu._dequantize_matmul_kernel,
             {**packed, "w_ptr": "*fp16", "out_ptr": "*fp32"},
-            ["groups", "seq_len", "rank", "n_out", "num_bytes", "num_qgroups", "group_size", "w_batch_stride"],
+            ["groups", "seq_len", "rank", "n_out", "num_bytes", "num_qgroups", "group_size", "w_batch_stride"]
+            + ["seq_tiles"],
             {"BITS": 3, "BLOCK_S": 32, "BLOCK_R": 32, "BLOCK_N": 32, "IEEE": False},
         ),
     )
@@ -39,7 +40,7 @@ def _cases():
             triton_palu._dequantize_attend_kernel,
             {"probs_ptr": "*fp16", **packed, "out_ptr": "*fp32"},
             ["groups", "num_heads", "q_len", "used_len", "seq_len", "rank", "num_bytes", "num_qgroups", "group_size"]
-            + ["split_len", "split_stride"],
+            + ["split_len", "split_stride", "row_tiles"],
             {"BITS": 4, "BLOCK_M": 16, "BLOCK_S": 32, "BLOCK_R": 32, "IEEE": False},
         ),
     )
@@ -54,7 +55,7 @@ def _cases():
             lambda p=pointers, c=constexprs, i=integers: _compile(
                 triton_palu._rope_key_scores_kernel,
                 p,
-                i + ["num_bytes", "num_qgroups", "group_size"],
+                i + ["num_bytes", "num_qgroups", "group_size", "seq_tiles"],
                 c,
                 floats=["attention_scaling", "scaling"],
             ),

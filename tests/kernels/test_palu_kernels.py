@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 from hf_accel import kernels
 from hf_accel.kernels import get_kernel, is_triton_available, list_kernels
 from hf_accel.kernels.hadamard import apply_hadamard, fold_hadamard_into_factors
-from hf_accel.kernels.quant import dequantize_per_token, quantize_per_token
+from hf_accel.kernels.quant import QuantizedLatents, dequantize_per_token, quantize_per_token
 from tests.conftest import LargestStorage
 
 
@@ -361,7 +361,13 @@ def test_dequantize_attend_reference():
 @require_triton
 @pytest.mark.parametrize(
     "bits,group_size,heads,q_len,used,seq_len,rank",
-    [(4, None, 4, 1, 70, 70, 40), (3, 8, 6, 3, 20, 25, 24), (2, None, 2, 1, 0, 4, 16), (3, None, 2, 9, 5, 5, 32)],
+    [
+        (4, None, 4, 1, 70, 70, 40),
+        (3, 8, 6, 3, 20, 25, 24),
+        (2, None, 2, 1, 0, 4, 16),
+        (3, None, 2, 9, 5, 5, 32),
+        (3, None, 6, 9, 40, 40, 24),  # 27 query rows per group: two row tiles, each over two key splits
+    ],
 )
 def test_triton_dequantize_attend_matches_reference(bits, group_size, heads, q_len, used, seq_len, rank):
     quantized = _quantized(groups=2, seq_len=seq_len, rank=rank, bits=bits, group_size=group_size, seed=used)
@@ -369,6 +375,59 @@ def test_triton_dequantize_attend_matches_reference(bits, group_size, heads, q_l
     expected = get_kernel("dequantize_attend", "eager")(probs, quantized)
     actual = get_kernel("dequantize_attend", "triton")(probs.to(DEVICE), quantized.apply(lambda t: t.to(DEVICE)))
     torch.testing.assert_close(actual.cpu(), expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not is_triton_available(), reason="needs the optional `triton` package")
+@pytest.mark.parametrize(
+    "batch,groups,heads,q_len,used,rank",
+    [
+        (1, 2, 32, 1, 65536, 384),  # decoding, Llama-3-8B-shaped layer at gs 4: the keys are split to fill the GPU
+        (1, 2, 32, 4096, 4096, 384),  # its 4,096-token prefill: split by keys alone, 22 buffers of 201 MB (4.4 GB)
+        (8, 8, 32, 16, 2048, 96),
+        (1, 1, 1, 1, 10**7, 8),
+        (4, 3, 9, 200, 300, 200),
+    ],
+)
+def test_dequantize_attend_partial_sums_stay_near_the_output_size(batch, groups, heads, q_len, used, rank):
+    from hf_accel.kernels.triton_palu import attend_launch_plan
+
+    row_tiles, rank_tiles, num_splits, split_len = attend_launch_plan(
+        batch, groups, heads // groups * q_len, rank, used, 16, 32, 32
+    )
+    assert row_tiles * 16 >= heads // groups * q_len and rank_tiles * 32 >= rank
+    assert (num_splits - 1) * split_len < used <= num_splits * split_len  # every key read, no empty split
+    assert max(rank_tiles, num_splits) <= 65535  # CUDA's limit on grid axes 1 and 2
+    output_bytes = batch * heads * q_len * rank * 4
+    assert num_splits * output_bytes <= output_bytes + 4 * 2**20
+    if q_len == 1 and used > 32 * 512:
+        assert num_splits > 1
+
+
+@require_triton
+def test_triton_kernels_put_long_sequences_on_grid_axis_0(monkeypatch):
+    # CUDA allows 65,535 programs on grid axes 1 and 2: sequence tiles there failed to launch past 2-4M tokens
+    from hf_accel.kernels import triton_palu
+
+    grids = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    for name in ("_rope_key_scores_kernel", "_dequantize_matmul_kernel", "_dequantize_attend_kernel"):
+        monkeypatch.setattr(triton_palu, name, _Recorder())
+    seq_len = 65536 * 64 + 1
+    query, latent, up_proj = torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, seq_len, 1), torch.zeros(1, 1, 2)
+    triton_palu.rope_key_scores(query, latent, up_proj, torch.zeros(1, seq_len, dtype=torch.long), _inv_freq(2))
+    codes = torch.zeros(1, 1, seq_len, 1, dtype=torch.uint8)
+    scales = torch.zeros(1, 1, seq_len, 1, dtype=torch.float16)
+    quantized = QuantizedLatents(codes, scales, scales.clone(), bits=4, dim=1, group_size=1)
+    triton_palu.dequantize_matmul(quantized, torch.zeros(1, 1, 1))
+    assert len(grids) == 2
+    for grid in grids:
+        assert all(axis <= 65535 for axis in grid[1:]), grid
+        assert grid[0] >= seq_len // 64
 
 
 @pytest.mark.skipif(not is_triton_available(), reason="needs the optional `triton` package")
