@@ -35,7 +35,7 @@ DEMO_PROMPTS = [
 _SHIPPED_INDEX = Path(__file__).resolve().parent / "data" / "indexes" / "smollm2-135m-chat-build"
 _PPL_TOKENS = 2048
 _PPL_SEQ_LEN = 512
-# in a cached CARE conversion: the fingerprint of the weights it was converted from
+# in a cached CARE conversion: the fingerprint of the weights it was converted from, and of the code it was given
 _SOURCE_STAMP = ".demo_source_fingerprint"
 
 
@@ -101,14 +101,23 @@ def care_cache_dir(name: str, kv_keep: float) -> Path:
     return hf_accel_home() / "models" / f"{key}-care-kv{kv_keep:g}"
 
 
+def _care_code_hash() -> str:
+    """Of the CARE model code a conversion copies into its checkpoint (`hf_accel/models/*_care.py`)."""
+    digest = hashlib.sha256()
+    for path in sorted((Path(__file__).parent / "models").glob("*_care.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _care_model(name: str, model, tokenizer, kv_keep: float):
     """The CARE conversion of `model`, converted once and cached ([`care_cache_dir`]), and converted again when the
-    weights at `name` are not those it was converted from (a directory re-saved after fine-tuning)."""
+    weights at `name` are not those it was converted from (a directory re-saved after fine-tuning), or when its code is
+    not this hf-accel's (an earlier version's may not run on the installed transformers)."""
     from .compress.care import CareConversionConfig, run_care_conversion, save_care_model
     from .loading import load_model_and_tokenizer, looks_like_local_path
     from .speculative.drafters.build import model_fingerprint
 
-    cached, source = care_cache_dir(name, kv_keep), model_fingerprint(model)
+    cached, source = care_cache_dir(name, kv_keep), f"{model_fingerprint(model)} code {_care_code_hash()}"
     if not _converted_from(cached, source):
         config = CareConversionConfig(kv_keep=kv_keep)
         # Calibrated on the model's own generated text (the CLI default), 32 windows of 64 tokens.

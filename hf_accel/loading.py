@@ -164,6 +164,8 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, dt
     """
     from transformers import AutoModelForCausalLM
 
+    from .compat import check_cache_argument
+
     name_or_path = os.fspath(name_or_path)
     path = resolve_model(name_or_path)
     check_model_dir(name_or_path, path)
@@ -174,6 +176,7 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, dt
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as err:
         raise ModelNotFoundError(f"cannot load model {name_or_path!r}: {str(err).splitlines()[0]}") from err
+    check_cache_argument(model)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -16,6 +16,7 @@ import time
 import torch
 
 from hf_accel.cli import OneLineErrorParser
+from hf_accel.compat import CACHE_NAME
 
 
 def main(argv=None) -> int:
@@ -47,10 +48,10 @@ def main(argv=None) -> int:
             times = []
             for _ in range(args.repeats + 2):
                 cache = DynamicCache(config=model.config)
-                model(input_ids=prefix, past_key_values=cache, use_cache=True)
+                model(input_ids=prefix, **{CACHE_NAME: cache}, use_cache=True)
                 new = torch.randint(0, vocab, (1, n), generator=generator)
                 start = time.perf_counter()
-                model(input_ids=new, past_key_values=cache, use_cache=True)
+                model(input_ids=new, **{CACHE_NAME: cache}, use_cache=True)
                 times.append(time.perf_counter() - start)
             ms[n] = 1000 * statistics.median(times[2:])
             hidden = torch.randn(1, n, model.config.hidden_size, generator=generator)

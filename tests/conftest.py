@@ -41,6 +41,25 @@ TINY_CONFIG = {
 }
 
 
+def _transformers_adapter_refusal() -> str | None:
+    """transformers' own PEFT integration (`add_adapter`, `load_adapter`, `from_pretrained` of an adapter folder)
+    refuses a PEFT older than it was written for (5.24 asks for PEFT 0.22, not yet released): its message, or None."""
+    from transformers.integrations.peft import MIN_PEFT_VERSION
+    from transformers.utils.peft_utils import check_peft_version
+
+    try:
+        check_peft_version(MIN_PEFT_VERSION)
+    except ValueError as refusal:
+        return str(refusal)
+    return None
+
+
+requires_transformers_adapters = pytest.mark.skipif(
+    _transformers_adapter_refusal() is not None,
+    reason=f"transformers' add_adapter refuses the installed PEFT: {_transformers_adapter_refusal()}",
+)
+
+
 def make_tiny_llama(seed: int = 0, **overrides):
     """A random-initialised Llama small enough for exhaustive tests (GQA: 4 query heads, 2 KV heads)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -20,6 +20,7 @@ from hf_accel.hub import (
     save_artifact,
     write_model_card,
 )
+from tests.conftest import requires_transformers_adapters
 from tests.tiny_checkpoints import logits_in_fresh_process, sample_logits, write_tiny_llama, write_tiny_remote_model
 
 
@@ -300,6 +301,7 @@ def test_an_adapter_naming_its_base_by_a_local_path_is_refused_in_one_line(tmp_p
     assert not (tmp_path / "hub").exists()
 
 
+@requires_transformers_adapters
 def test_adapters_loaded_into_a_transformers_model_are_saved_naming_the_cards_base_model(tmp_path):
     # `add_adapter` / `load_adapter` (and `from_pretrained` of an adapter's folder, as hf-accel loads one) give a
     # transformers model that saves its active adapter alone: it was saved as a model, naming the local directory

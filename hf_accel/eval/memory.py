@@ -2,14 +2,16 @@
 
 import torch
 
+from ..compat import CACHE_NAME
 
-def cache_bytes(past_key_values) -> int:
+
+def cache_bytes(cache) -> int:
     """Total bytes held by a cache: a layer (or cache) that knows its true size (packed codes, scales, zero-points,
     full-precision window) reports it through `get_cache_bytes()`; otherwise its `keys`/`values` tensors count."""
-    if hasattr(past_key_values, "get_cache_bytes"):
-        return past_key_values.get_cache_bytes()
+    if hasattr(cache, "get_cache_bytes"):
+        return cache.get_cache_bytes()
     total = 0
-    for layer in past_key_values.layers:
+    for layer in cache.layers:
         if hasattr(layer, "get_cache_bytes"):
             total += layer.get_cache_bytes()
             continue
@@ -19,29 +21,27 @@ def cache_bytes(past_key_values) -> int:
     return total
 
 
-def cache_bytes_per_token(past_key_values, batch_size: int = 1) -> float:
+def cache_bytes_per_token(cache, batch_size: int = 1) -> float:
     """Bytes per cached token and sequence, all layers together.
 
     Args:
-        past_key_values (`Cache`): a transformers cache after at least one forward pass.
+        cache (`Cache`): a transformers cache after at least one forward pass.
         batch_size (`int`, *optional*, defaults to 1): the number of sequences the cache holds.
     """
-    return cache_bytes(past_key_values) / (batch_size * past_key_values.get_seq_length())
+    return cache_bytes(cache) / (batch_size * cache.get_seq_length())
 
 
 @torch.no_grad()
-def measure_cache_bytes_per_token(model, input_ids: torch.Tensor, past_key_values=None) -> float:
+def measure_cache_bytes_per_token(model, input_ids: torch.Tensor, cache=None) -> float:
     """Fills a cache with `input_ids` (`[B, S]`) as `generate` does, a prefill of all but the last token and one
     decoding step, and returns its bytes per token and sequence (a cache that drops what no later query reads at
     each step, like Palu's full-precision window, is measured at its decoding size).
 
     Args:
-        past_key_values (`Cache`, *optional*): the (empty) cache to fill; the model's default cache otherwise.
+        cache (`Cache`, *optional*): the (empty) cache to fill; the model's default cache otherwise.
     """
     input_ids = input_ids.to(next(model.parameters()).device)
     if input_ids.shape[1] > 1:
-        past_key_values = model(
-            input_ids=input_ids[:, :-1], past_key_values=past_key_values, use_cache=True
-        ).past_key_values
-    out = model(input_ids=input_ids[:, -1:], past_key_values=past_key_values, use_cache=True)
-    return cache_bytes_per_token(out.past_key_values, input_ids.shape[0])
+        cache = model(input_ids=input_ids[:, :-1], **{CACHE_NAME: cache}, use_cache=True)[CACHE_NAME]
+    out = model(input_ids=input_ids[:, -1:], **{CACHE_NAME: cache}, use_cache=True)
+    return cache_bytes_per_token(out[CACHE_NAME], input_ids.shape[0])

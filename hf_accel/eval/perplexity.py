@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..compat import CACHE_NAME
 from ..log import progress_bar
 
 
@@ -141,8 +142,8 @@ def decoding_perplexity(model, input_ids: torch.Tensor, skip: int = 0, batch_siz
     for start in range(0, len(input_ids), batch_size):
         rows, cache = input_ids[start : start + batch_size].to(device), None
         for t in range(rows.shape[1] - 1):
-            out = model(input_ids=rows[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(input_ids=rows[:, t : t + 1], **{CACHE_NAME: cache}, use_cache=True)
+            cache = out[CACHE_NAME]
             if t >= skip:  # the prediction of token t + 1
                 total += F.cross_entropy(out.logits[:, -1].double(), rows[:, t + 1], reduction="sum").item()
                 count += len(rows)

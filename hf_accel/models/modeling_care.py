@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers.cache_utils import StaticLayer
+from transformers.generation.utils import ALL_CACHE_NAMES
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -41,6 +42,9 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2ForCau
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3Model, Qwen3RotaryEmbedding
 
 from .configuration_care import CareLlamaConfig, CareMistralConfig, CareQwen2Config, CareQwen3Config
+
+
+CACHE_NAME = ALL_CACHE_NAMES[0]  # the cache's name in model inputs: "cache" from transformers 5.24 on
 
 
 def _check_dynamic_layer(cache, layer_idx: int) -> None:
@@ -66,14 +70,14 @@ def _key_positions(position_ids, past_len: int, q_len: int, device, key_position
     return torch.cat([past, position_ids], dim=-1)
 
 
-def _generation_key_positions(all_position_ids, past_key_values, position_ids, attention_mask=None):
+def _generation_key_positions(all_position_ids, cache, position_ids, attention_mask=None):
     """`generate`'s position ids of the whole sequence `[B, past + new]` where they cover exactly the cached tokens
     and the new ones (`position_ids`, the slice the model gets), to pass as `key_positions`; else `None`. A chunked
     prefill passes the chunk's position ids only, with the 2D mask up to the chunk's end: the positions `generate`
     derives from that mask, where they agree with the chunk's."""
-    if past_key_values is None or all_position_ids is None or position_ids is None or all_position_ids.dim() != 2:
+    if cache is None or all_position_ids is None or position_ids is None or all_position_ids.dim() != 2:
         return None
-    past_len = past_key_values.get_seq_length()
+    past_len = cache.get_seq_length()
     if past_len == 0:
         return None
     total = past_len + position_ids.shape[-1]
@@ -142,10 +146,12 @@ class CareAttentionMixin:
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
         position_ids: torch.LongTensor | None = None,
+        past_key_values=None,  # the cache's name before transformers 5.24
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cache = cache if cache is not None else past_key_values
         key_positions = kwargs.pop("key_positions", None)  # [B, past + q] from hf-accel's engine, or inferred
         key_position_embeddings = kwargs.pop("key_position_embeddings", None)  # their cos/sin, from `generate`
         input_shape = hidden_states.shape[:-1]
@@ -159,9 +165,9 @@ class CareAttentionMixin:
         # diff with LlamaAttention: the cache stores the latents, one "head" each: [B, 1, S, r_K] and [B, 1, S, r_V]
         latent_k = self.k_down(hidden_states).unsqueeze(1)
         latent_v = self.v_down(hidden_states).unsqueeze(1)
-        if past_key_values is not None:
-            _check_dynamic_layer(past_key_values, self.layer_idx)
-            latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
+        if cache is not None:
+            _check_dynamic_layer(cache, self.layer_idx)
+            latent_k, latent_v = cache.update(latent_k, latent_v, self.layer_idx)
         q_len = input_shape[-1]
         past_len = latent_k.shape[-2] - q_len
         positions = _key_positions(position_ids, past_len, q_len, hidden_states.device, key_positions)
@@ -245,7 +251,7 @@ class CareForCausalLMMixin:
         inputs = super().prepare_inputs_for_generation(*args, **kwargs)
         key_positions = _generation_key_positions(
             kwargs.get("position_ids"),
-            inputs.get("past_key_values"),
+            inputs.get(CACHE_NAME),
             inputs.get("position_ids"),
             kwargs.get("attention_mask"),
         )

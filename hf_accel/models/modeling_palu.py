@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, StaticLayer
+from transformers.generation.utils import ALL_CACHE_NAMES
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -36,6 +37,9 @@ from transformers.models.llama.modeling_llama import (
 
 from .configuration_palu import PaluLlamaConfig
 from .palu_kernels import PaluQuantizedCache, PaluQuantizedLayer, get_kernel, reads_in_full_precision
+
+
+CACHE_NAME = ALL_CACHE_NAMES[0]  # the cache's name in model inputs: "cache" from transformers 5.24 on
 
 
 def _check_dynamic_layer(cache, layer_idx: int) -> None:
@@ -61,14 +65,14 @@ def _key_positions(position_ids, past_len: int, q_len: int, batch: int, device, 
 
 
 # Same as modeling_care.py's, kept twice on purpose: each checkpoint ships only its own converter's files
-def _generation_key_positions(all_position_ids, past_key_values, position_ids, attention_mask=None):
+def _generation_key_positions(all_position_ids, cache, position_ids, attention_mask=None):
     """`generate`'s position ids of the whole sequence `[B, past + new]` where they cover exactly the cached tokens
     and the new ones (`position_ids`, the slice the model gets), to pass as `key_positions`; else `None`. A chunked
     prefill passes the chunk's position ids only, with the 2D mask up to the chunk's end: the positions `generate`
     derives from that mask, where they agree with the chunk's."""
-    if past_key_values is None or all_position_ids is None or position_ids is None or all_position_ids.dim() != 2:
+    if cache is None or all_position_ids is None or position_ids is None or all_position_ids.dim() != 2:
         return None
-    past_len = past_key_values.get_seq_length()
+    past_len = cache.get_seq_length()
     if past_len == 0:
         return None
     total = past_len + position_ids.shape[-1]
@@ -128,10 +132,10 @@ class PaluAttentionMixin:
         config = self.config
         return PaluQuantizedLayer(config.palu_quant_bits, config.palu_quant_group_size, config.palu_residual_length)
 
-    def _quantized_layer(self, past_key_values) -> PaluQuantizedLayer:
-        if past_key_values is None:  # no cache (e.g. perplexity): a scratch layer quantizes exactly as a cache would
+    def _quantized_layer(self, cache) -> PaluQuantizedLayer:
+        if cache is None:  # no cache (e.g. perplexity): a scratch layer quantizes exactly as a cache would
             return self._new_quantized_layer()
-        layers = past_key_values.layers
+        layers = cache.layers
         while len(layers) <= self.layer_idx:  # a cache that builds its layers lazily
             layers.append(self._new_quantized_layer())
         if not isinstance(layers[self.layer_idx], PaluQuantizedLayer):
@@ -154,10 +158,12 @@ class PaluAttentionMixin:
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
         position_ids: torch.LongTensor | None = None,
+        past_key_values=None,  # the cache's name before transformers 5.24
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = cache if cache is not None else past_key_values
         key_positions = kwargs.pop("key_positions", None)  # [B, past + q] from hf-accel's engine, or inferred
         bsz, q_len, _ = hidden_states.shape
         query_states = self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)  # [B, H, q, d]
@@ -173,7 +179,7 @@ class PaluAttentionMixin:
         inv_freq = self.rotary_emb.inv_freq
 
         quantized = self.config.palu_quant_bits
-        layer = self._quantized_layer(past_key_values) if quantized else None
+        layer = self._quantized_layer(cache) if quantized else None
         # with gradients on and nothing cached yet (training, whether or not the model made itself a cache), the
         # straight-through path below: the cache path reads codes, which carry no gradient
         if quantized and (layer.get_seq_length() > 0 or not torch.is_grad_enabled()):
@@ -186,15 +192,15 @@ class PaluAttentionMixin:
             layer.release_window(positions, q_len)  # what no later query reads (any pass may be rolled back)
         else:
             past_len = 0
-            if past_key_values is not None and not quantized:
-                _check_dynamic_layer(past_key_values, self.layer_idx)
-                past_len = past_key_values.get_seq_length(self.layer_idx)
-                latent_k, latent_v = past_key_values.update(latent_k, latent_v, self.layer_idx)
+            if cache is not None and not quantized:
+                _check_dynamic_layer(cache, self.layer_idx)
+                past_len = cache.get_seq_length(self.layer_idx)
+                latent_k, latent_v = cache.update(latent_k, latent_v, self.layer_idx)
             positions = _key_positions(position_ids, past_len, q_len, bsz, hidden_states.device, key_positions)
             kernel = get_kernel("rope_key_scores", backend, hidden_states.device)
             full_precision = None  # [B, 1, q, S]: the reads a quantized model's full-precision window serves
             if quantized:  # training (gradients on, empty cache): the cache's reads, rounding passed straight through
-                if past_key_values is not None:  # the cache keeps what the cache path would have stored
+                if cache is not None:  # the cache keeps what the cache path would have stored
                     layer.append(latent_k, latent_v, positions)
                     layer.release_window(positions, q_len)
                 float_k, float_v = latent_k, latent_v
@@ -278,7 +284,7 @@ class PaluLlamaForCausalLM(_SavesOwnKernelsMixin, LlamaForCausalLM):
         inputs = super().prepare_inputs_for_generation(*args, **kwargs)
         key_positions = _generation_key_positions(
             kwargs.get("position_ids"),
-            inputs.get("past_key_values"),
+            inputs.get(CACHE_NAME),
             inputs.get("position_ids"),
             kwargs.get("attention_mask"),
         )
@@ -294,13 +300,13 @@ class PaluLlamaForCausalLM(_SavesOwnKernelsMixin, LlamaForCausalLM):
                 "CPU; drop cache_implementation='offloaded'"
             )
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_NAME)
         if (
             self.config.palu_quant_bits
             and type(cache) is DynamicCache
             and not getattr(cache, "_is_user_defined", False)
         ):
-            model_kwargs["past_key_values"] = make_palu_cache(self.config)
+            model_kwargs[CACHE_NAME] = make_palu_cache(self.config)
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config):
         # diff with LlamaForCausalLM: a quantized model swaps its own growing latent layers into any cache, a static one

@@ -25,6 +25,8 @@ Contract with cache classes (documented again in [`~hf_accel.speculative.engine`
 import torch
 from transformers import DynamicLayer
 
+from ..compat import CACHE_NAME
+
 
 def validate_cache_for_speculation(cache) -> None:
     """Raises `ValueError` if the engine cannot crop / gather this cache."""
@@ -54,7 +56,7 @@ def validate_cache_for_speculation(cache) -> None:
         if getattr(layer, "is_sliding", False) and not hasattr(layer, "select_positions"):
             raise ValueError(
                 f"cache layer {i} is a sliding-window layer; speculative decoding cannot gather it. Pass no "
-                "`past_key_values` (the engine masks windows itself), or a layer class implementing `select_positions`."
+                f"`{CACHE_NAME}` (the engine masks windows itself), or a layer class implementing `select_positions`."
             )
         if _keeps_more_than_keys_and_values(layer) and not hasattr(layer, "select_positions"):
             raise ValueError(

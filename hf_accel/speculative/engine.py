@@ -114,6 +114,7 @@ from transformers.generation import (
     TypicalLogitsWarper,
 )
 
+from ..compat import CACHE_NAME
 from .acceptance import greedy_accept, gumbel_scores, match_draft_vocab, sample_accept_tree
 from .cache import select_cache_positions, select_cache_rows, validate_cache_for_speculation
 from .tree import (
@@ -505,7 +506,7 @@ class SpeculativeEngine:
 
     # ----------------------------------------------------------------------------------------------- decoding loop
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask=None, past_key_values=None, position_ids=None):
+    def generate(self, input_ids, attention_mask=None, cache=None, position_ids=None):
         """Decodes until every row stops; returns `sequences` `[B, prompt_length + generated]`."""
         start = time.perf_counter()
         pad = _pad_token_id(self.generation_config)
@@ -519,7 +520,7 @@ class SpeculativeEngine:
         )
         if hasattr(self.drafter, "begin"):
             self.drafter.begin(input_ids, state.prompt_mask, self.generation_config)
-        cache = self._prefill(state, input_ids, attention_mask, past_key_values, position_ids)
+        cache = self._prefill(state, input_ids, attention_mask, cache, position_ids)
         while len(state.rows):
             tic = time.perf_counter()
             tree = self.drafter.propose(state.request(self.do_sample))
@@ -546,7 +547,7 @@ class SpeculativeEngine:
         # that records every layer regardless reads the list as `True`.
         hidden = list(self.hidden_layers) if self.hidden_layers else False
         outputs = self.model(
-            past_key_values=cache, use_cache=True, output_hidden_states=hidden, return_dict=True, **inputs
+            **{CACHE_NAME: cache}, use_cache=True, output_hidden_states=hidden, return_dict=True, **inputs
         )
         outputs.logits = outputs.logits.to(home)
         if outputs.hidden_states is not None:  # only the layers the drafter reads come back
@@ -575,7 +576,7 @@ class SpeculativeEngine:
         validate_cache_for_speculation(cache)
         if cache.get_seq_length() > 0:
             raise ValueError(
-                "speculative decoding starts from an empty cache; pass no `past_key_values` (or an empty one): to "
+                f"speculative decoding starts from an empty cache; pass no `{CACHE_NAME}` (or an empty one): to "
                 "continue a conversation, pass its whole text as the prompt"
             )
         if position_ids is None:

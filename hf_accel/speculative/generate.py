@@ -34,6 +34,7 @@ from transformers.generation import (
     SynthIDTextWatermarkLogitsProcessor,
 )
 
+from ..compat import CACHE_NAME, check_cache_argument
 from .acceptance import gumbel_scores
 from .engine import (
     DraftRequest,
@@ -71,7 +72,8 @@ def custom_generate(
             by DeepSpeed ZeRO-3 or FSDP across processes, which is refused too).
         streamer (`BaseStreamer`, *optional*): batch size 1 only.
         drafter: an object following the drafter protocol of [`~hf_accel.speculative.engine`] (required).
-        **model_kwargs: `attention_mask`, `past_key_values`, `position_ids`, ... as prepared by `generate`.
+        **model_kwargs: `attention_mask`, `cache` (`past_key_values` before transformers 5.24), `position_ids`, ...
+            as prepared by `generate`.
 
     Stop strings: transformers 5.23 drops `generate(tokenizer=...)` when `custom_generate` is a callable, so
     `stop_strings=` alone raises there; pass them as a criterion instead, which this loop honours exactly:
@@ -79,7 +81,7 @@ def custom_generate(
 
     Returns:
         `torch.LongTensor` of shape `(batch_size, prompt_length + generated)` (or a `GenerateDecoderOnlyOutput` with
-        `return_dict_in_generate=True`, whose `past_key_values` is `None`: the engine's cache has holes between a
+        `return_dict_in_generate=True`, whose cache is `None`: the engine's cache has holes between a
         batch's rows and has dropped finished rows, so it is not the cache plain `generate` would return), with
         `.speculative_stats` attached ([`SpeculativeStats`]). `drafter.last_stats` is set to them too (what a
         thread that only started the call, as with `TextIteratorStreamer`, can read after joining it); with one
@@ -105,7 +107,7 @@ def custom_generate(
     sequences = engine.generate(
         input_ids,
         attention_mask=model_kwargs.get("attention_mask"),
-        past_key_values=model_kwargs.get("past_key_values"),
+        cache=model_kwargs.get(CACHE_NAME),
         position_ids=model_kwargs.get("position_ids"),
     )
     drafter.last_stats = engine.stats
@@ -131,6 +133,7 @@ def _validate_call(
         raise TypeError(
             f"{loop} needs a drafter object, got {got}: pass `drafter=build_drafter('ngram', None, model, tok)`"
         )
+    check_cache_argument(model)
     # modes both loops would silently run as greedy search or sampling (beams, contrastive, DoLa, CFG)
     if generation_config.num_beams not in (None, 1):
         raise ValueError(f"speculative decoding needs num_beams=1, got {generation_config.num_beams}")
@@ -197,7 +200,7 @@ def _validate_call(
 # What `generate` prepares for a decoder-only model and the engine reads (or may ignore: `use_cache`, as it always
 # caches; the output flags, which change no token and are refused below where `return_dict_in_generate` would use them)
 _ENGINE_MODEL_KWARGS = (
-    "attention_mask", "past_key_values", "position_ids", "use_cache", "logits_to_keep",
+    "attention_mask", CACHE_NAME, "position_ids", "use_cache", "logits_to_keep",
     "output_attentions", "output_hidden_states",
 )  # fmt: skip
 
@@ -457,12 +460,12 @@ def assisted_generate(
             "transformers' assisted loop runs its prefill without a drafter's auxiliary inputs (it has "
             "`propose_prefill`); use `custom_generate`"
         )
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_NAME)
     if cache is not None and cache.get_seq_length() > 0:
         # transformers' assisted loop feeds its first pass the whole `input_ids` on top of the cached tokens (its own
         # prompt lookup does too): continuing from a filled cache would decode garbage
         raise ValueError(
-            "speculative decoding starts from an empty cache; pass no `past_key_values` (or an empty one): to continue "
+            f"speculative decoding starts from an empty cache; pass no `{CACHE_NAME}` (or an empty one): to continue "
             "a conversation, pass its whole text as the prompt"
         )
     if hasattr(drafter, "last_stats"):

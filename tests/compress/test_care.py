@@ -19,6 +19,7 @@ from hf_accel.compress.care import (
 )
 from hf_accel.compress.factorize import LowRankFactors
 from tests.compress.care_helpers import make_tiny, tiny_calibration
+from tests.conftest import requires_transformers_adapters
 
 
 def test_unknown_family_is_an_error():
@@ -29,7 +30,9 @@ def test_unknown_family_is_an_error():
         convert_care(gpt2, kv_keep=0.5, method="svd")
 
 
-@pytest.mark.parametrize("wrap", ["peft_model", "transformers_adapter"])
+@pytest.mark.parametrize(
+    "wrap", ["peft_model", pytest.param("transformers_adapter", marks=requires_transformers_adapters)]
+)
 def test_a_model_with_peft_adapters_is_refused_before_calibration(wrap, monkeypatch):
     # the adapters' deltas are not in the base weights that are factorized and copied: merge first
     from peft import LoraConfig, get_peft_model

@@ -17,7 +17,7 @@ from hf_accel.compress.palu import (
     kfac_group_ranks,
     uniform_group_ranks,
 )
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_llama, requires_transformers_adapters
 from tests.tiny_checkpoints import make_char_tokenizer
 
 
@@ -233,6 +233,7 @@ def test_numpy_integers_are_taken_as_ints_and_bools_or_floats_refused():
             PaluConversionConfig(**bad)
 
 
+@requires_transformers_adapters
 def test_a_model_with_peft_adapters_is_refused_before_calibration(tokenizer, monkeypatch):
     # the adapters' deltas are not in the base weights that are factorized and copied: merge first
     from peft import LoraConfig

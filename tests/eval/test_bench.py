@@ -338,6 +338,25 @@ def test_the_demo_converts_a_re_saved_model_again(tmp_path, monkeypatch):
     assert len(conversions) == 2  # once for the first weights, again for the re-saved ones
 
 
+def test_the_demo_converts_again_a_conversion_cached_with_other_model_code(tmp_path, monkeypatch):
+    # a conversion cached by an earlier hf-accel carries that version's modeling_care.py, which may not run on the
+    # installed transformers (5.24 passes the cache under a new name): same weights, other code, converted again
+    from hf_accel import demo
+    from hf_accel.compress import care
+    from tests.conftest import make_tiny_llama
+    from tests.tiny_checkpoints import VOCAB_SIZE, make_char_tokenizer
+
+    monkeypatch.setenv("HF_ACCEL_HOME", str(tmp_path / "home"))
+    conversions = []
+    convert = care.run_care_conversion
+    monkeypatch.setattr(care, "run_care_conversion", lambda *a, **kw: conversions.append(1) or convert(*a, **kw))
+    name, tokenizer, model = str(tmp_path / "mine"), make_char_tokenizer(), make_tiny_llama(vocab_size=VOCAB_SIZE)
+    for code in ("current", "current", "earlier", "earlier"):
+        monkeypatch.setattr(demo, "_care_code_hash", lambda code=code: code)
+        demo._care_model(name, model, tokenizer, 0.5)
+    assert len(conversions) == 2
+
+
 def test_the_demo_keeps_one_care_conversion_per_source_model(tmp_path, monkeypatch):
     from hf_accel.demo import care_cache_dir
 

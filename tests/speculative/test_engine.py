@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hf_accel.compat import CACHE_NAME
 from hf_accel.speculative import DraftTree, assisted_generate, custom_generate
 from hf_accel.speculative.drafters.infinigram import node_depths
 from tests.conftest import TINY_CONFIG, make_tiny_llama
@@ -1465,12 +1466,12 @@ def test_a_model_whose_forward_takes_no_logits_to_keep_keeps_greedy_identity():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     class WithoutLogitsToKeep(LlamaForCausalLM):
-        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
                     inputs_embeds=None, use_cache=None, output_hidden_states=None, return_dict=None):  # fmt: skip
             return super().forward(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                output_hidden_states=output_hidden_states,
+                **{CACHE_NAME: cache if cache is not None else past_key_values}, inputs_embeds=inputs_embeds,
+                use_cache=use_cache, output_hidden_states=output_hidden_states,
             )  # fmt: skip
 
     torch.manual_seed(0)
