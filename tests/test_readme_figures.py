@@ -81,3 +81,30 @@ def test_the_palu_tables_give_every_bit_width_without_the_rotation():
     for gs, ranks, kv in expected:
         want = [records[gs, ranks, kv, True, 0], records[gs, ranks, kv, False, 4], records[gs, ranks, kv, False, 2]]
         assert [_numbers(cell) for cell in cells[gs, ranks, kv]] == [_palu_cell(r) for r in want], (gs, ranks, kv)
+
+
+def test_the_session_25_generation_table_gives_its_json_records_figures():
+    """Issue 6 asks for `pld` beside `ngram` at batch 1 and 8, greedy and at T = 0.7: the table that added the cells
+    no other table had holds the figures of `docs/speculative/v8_*.json`, every method of every run."""
+    rows = _table(
+        "| prompts | batch | decoding | method | tokens/s | speedup | tokens per pass | target passes | identical |"
+    )
+    runs = ["he_b8_greedy", "he_b8_t07", "chat_b8_greedy", "chat_b8_t07", "he_b1_t07", "chat_b1_t07"]
+    expected = []
+    for run in runs:
+        record = json.loads((ROOT / "docs" / "speculative" / f"v8_{run}.json").read_text())
+        for method, figures in record["methods"].items():
+            assert method.split(":")[0] in ("vanilla", "pld", "ngram")
+            identical = {None: "–", True: "yes", False: "no"}[figures["identical"]]
+            expected.append(
+                (
+                    record["batch_size"],
+                    round(figures["tokens_per_s"], 1),
+                    round(figures["speedup"], 2),
+                    round(figures["mean_accepted"], 2),
+                    figures["target_passes"],
+                    identical,
+                )
+            )
+    got = [(int(r[1]), *(_numbers(c)[0] for c in r[4:8]), r[8]) for r in rows]
+    assert got == expected
