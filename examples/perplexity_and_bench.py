@@ -17,9 +17,11 @@ text = Path(textwrap.__file__).read_text()  # any text: here a Python standard-l
 print(compute_perplexity(model, tokenizer, text, seq_len=512, max_tokens=2048))
 
 prompts = load_prompts("humaneval", tokenizer, limit=2, offset=100)
-result = bench_generate(model, tokenizer, prompts, ["vanilla", "pld", "ngram"], max_new_tokens=64)
+result = bench_generate(
+    model, tokenizer, prompts, ["vanilla", "pld", "ngram:smollm2-135m-code-build"], max_new_tokens=64
+)
 for method, figures in result["methods"].items():
     print(
-        f"{method:8s} {figures['tokens_per_s']:6.1f} tok/s  speedup {figures['speedup']:.2f}x  "
+        f"{method:30s} {figures['tokens_per_s']:6.1f} tok/s  speedup {figures['speedup']:.2f}x  "
         f"identical {figures['identical']}"
     )

@@ -9,11 +9,14 @@ from hf_accel.speculative.drafters import build_drafter
 
 
 model, tokenizer = load_model_and_tokenizer("smollm2-135m")
-# No index: the drafter matches suffixes of the prompt and the answer so far. Pass an index directory built with
-# `hf-accel index build` (e.g. hf_accel/data/indexes/smollm2-135m-chat-build) to draft from a corpus as well.
-drafter = build_drafter("ngram", None, model, tokenizer)
+# The shipped index of the model's own answers to 234 chat prompts (built by `hf-accel index build --self-distill
+# chat_build`), plus suffixes of the prompt and the answer so far; `None` drafts from those alone. The tokens per pass
+# printed below move a little from run to run: the drafter sizes its trees from the pass times it measures.
+drafter = build_drafter("ngram", "smollm2-135m-chat-build", model, tokenizer)
 
-messages = [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}]
+# a held-out prompt (chat_heldout_26): no answer to it is in the index
+question = "Write a Python function that checks whether two strings are anagrams of each other, ignoring case."
+messages = [{"role": "user", "content": question}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 
 plain = model.generate(**inputs, max_new_tokens=96, do_sample=False)
