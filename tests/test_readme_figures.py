@@ -63,24 +63,35 @@ def test_the_care_table_gives_the_conversion_time_of_every_method_and_budget(car
 
 def _palu_rows(name):
     report = json.loads((ROOT / "docs" / "palu" / name).read_text())
-    return {(r["group_size"], r["ranks"], r["kv_keep"], r["hadamard"], r["bits"]): r for r in report["rows"]}
+    rows = {(r["group_size"], r["ranks"], r["kv_keep"], r["hadamard"], r["bits"]): r for r in report["rows"]}
+    return report["base"], rows
 
 
 def _palu_cell(row) -> list[float]:
     return [round(row["ppl_text"], 1), round(row["ppl_generated"], 2), row["cache_bytes_per_token"]]
 
 
-def test_the_palu_tables_give_every_bit_width_without_the_rotation():
+def test_the_palu_table_gives_every_bit_width_with_and_without_the_rotation():
     """Issue 4: perplexity and bytes for gs 1/3, uniform vs Fisher, with and without WHT at 2/3/4 bits, at kv-keep
-    0.75 and 0.5. The main table has no 4-bit column without WHT; its own table gives it, as its JSON record has it."""
-    records = _palu_rows("bench_palu_no_hadamard_4bit.json")
-    rows = _table("| gs | ranks | kv-keep | float latents | 4-bit, no WHT | 2-bit, no WHT |")
-    cells = {(int(row[0]), row[1], float(row[2])): row[3:] for row in rows}
+    0.75 and 0.5, next to CARE at the same budgets: every cell as the two JSON records of its commands have it."""
+    base, records = _palu_rows("bench_palu_mixed_calibration.json")
+    kfac_base, kfac = _palu_rows("bench_palu_mixed_calibration_kfac.json")
+    assert kfac_base == {**base, "eval_s": kfac_base["eval_s"]}  # one calibration and evaluation for both runs
+    records.update(kfac)
+    rows = _table(
+        "| gs | ranks | kv-keep | float latents | 4-bit + WHT | 3-bit + WHT | 2-bit + WHT | 4-bit, no WHT "
+        "| 3-bit, no WHT | 2-bit, no WHT |"
+    )
+    assert rows[0][:3] == ["original", "", "1.0"] and _numbers(rows[0][3]) == _palu_cell(base)
+    columns = [(True, 0), (True, 4), (True, 3), (True, 2), (False, 4), (False, 3), (False, 2)]
+    cells = {(int(row[0]), row[1], float(row[2])): row[3:] for row in rows[1:] if row[0] != "CARE"}
     expected = {(gs, ranks, kv) for gs in (1, 3) for ranks in ("uniform", "fisher", "kfac") for kv in (0.75, 0.5)}
     assert set(cells) == expected
     for gs, ranks, kv in expected:
-        want = [records[gs, ranks, kv, True, 0], records[gs, ranks, kv, False, 4], records[gs, ranks, kv, False, 2]]
-        assert [_numbers(cell) for cell in cells[gs, ranks, kv]] == [_palu_cell(r) for r in want], (gs, ranks, kv)
+        want = [_palu_cell(records[gs, ranks, kv, hadamard, bits]) for hadamard, bits in columns]
+        assert [_numbers(cell) for cell in cells[gs, ranks, kv]] == want, (gs, ranks, kv)
+    care = {float(row[2]): _numbers(row[3]) for row in rows if row[0] == "CARE"}
+    assert care == {kv: _palu_cell(records[None, "care", kv, False, 0]) for kv in (0.75, 0.5)}
 
 
 def test_the_session_25_generation_table_gives_its_json_records_figures():
