@@ -66,6 +66,12 @@ def _run_build(args) -> int:
     missing = [path for path in args.text if not Path(path).is_file()]
     if missing:
         raise FileNotFoundError(f"text file(s) not found: {', '.join(missing)}")
+    # one file named twice (overlapping shell globs, a link and its target) would be indexed twice, doubling every
+    # count its continuations get
+    resolved = [Path(path).resolve() for path in args.text]
+    twice = [path for path, real in zip(args.text, resolved) if resolved.count(real) > 1]
+    if twice:
+        raise ValueError(f"--text names one file more than once ({', '.join(twice)}); each file is indexed once")
     from ..eval.prompts import load_prompts
     from ..hub import published_name
 

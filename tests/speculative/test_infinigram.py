@@ -1640,9 +1640,15 @@ def test_index_build_checks_text_files_and_dataset_before_loading_the_model(tmp_
     latin1.write_bytes(b"caf\xe9\n")
     common = ["index", "build", "--model", str(model), "--out", str(tmp_path / "o"), "--self-distill", "chat_build"]
     capsys.readouterr()  # the checkpoint's writing progress
+    good = tmp_path / "good.txt"
+    good.write_text("one document\n")
+    (tmp_path / "link.txt").symlink_to(good)
     cases = [
         (["--text", str(latin1)], f"text file {latin1} is not UTF-8 text: byte 3"),
         (["--dataset", str(tmp_path / "no-such-dataset")], "no-such-dataset"),
+        # one file twice (overlapping globs, a link and its target) would double every count it gives
+        (["--text", str(good), str(latin1), str(good)], f"--text names one file more than once ({good}, {good})"),
+        (["--text", str(tmp_path / "link.txt"), str(good)], "--text names one file more than once"),
     ]
     for extra, message in cases:
         assert main([*common, *extra]) == 2
