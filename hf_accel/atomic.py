@@ -64,8 +64,16 @@ def _is_checkpoint(folder: Path) -> bool:
 
 def replace_atomically(target: Path, write, *args) -> None:
     """`write(partial, *args)` at a name of this process's own beside `target`, then renamed over it: a process
-    writing the same cache at once, or a reader, never finds `target` missing or half-written."""
-    partial = target.with_name(f".{target.name}.{os.getpid()}.incomplete")
+    writing the same cache at once, or a reader, never finds `target` missing or half-written. The partial files that
+    killed writers left beside `target` (SIGKILL, the OOM killer: a Hub-layout cache's blob can be a whole model's
+    weights) are removed first; another running writer's is kept."""
+    host = _host_name()
+    prefix = f".{target.name}."
+    for stale in target.parent.glob(glob.escape(prefix) + "*.incomplete"):
+        pid, _, other_host = stale.name.removeprefix(prefix).removesuffix(".incomplete").partition("@")
+        if other_host == host and not _process_alive(pid):
+            stale.unlink(missing_ok=True)
+    partial = target.with_name(f"{prefix}{os.getpid()}@{host}.incomplete")
     partial.unlink(missing_ok=True)
     try:
         write(partial, *args)

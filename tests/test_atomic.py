@@ -181,3 +181,27 @@ def test_links_in_a_swapped_directory_are_left_as_they_are(tmp_path):
         (tmp / "sub" / "dangling.bin").symlink_to(tmp_path / "gone.bin")
     assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o600
     assert os.readlink(tmp_path / "out" / "sub" / "dangling.bin") == str(tmp_path / "gone.bin")
+
+
+def test_replace_atomically_removes_the_partial_files_of_killed_writers_only(tmp_path):
+    # SIGKILL between write and rename left `.NAME.<pid>.incomplete` for good (a Hub-layout cache's blob can be a
+    # model's weights); another running writer's partial file must stay
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hf_accel.atomic import _host_name, replace_atomically
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host, target = _host_name(), tmp_path / "blob"
+    killed = tmp_path / f".blob.{dead.stdout.strip()}@{host}.incomplete"
+    running = tmp_path / f".blob.{os.getppid()}@{host}.incomplete"
+    elsewhere = tmp_path / f".blob.{dead.stdout.strip()}@another_host.incomplete"
+    other_file = tmp_path / f".blobby.{dead.stdout.strip()}@{host}.incomplete"
+    for partial in (killed, running, elsewhere, other_file):
+        partial.write_bytes(b"half")
+    replace_atomically(target, Path.write_bytes, b"whole")
+    assert target.read_bytes() == b"whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (target, running, elsewhere, other_file)
+    )
