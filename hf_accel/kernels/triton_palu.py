@@ -29,11 +29,18 @@ from .reference import (
 )
 
 
-def _launch_guard(device: torch.device):
+def _launch_guard(device: torch.device, *inputs: torch.Tensor):
     """Make `device` current for a launch: Triton launches on the current CUDA device, not on its inputs' (a layer on
     `cuda:1` under `device_map="auto"` while `cuda:0` is current would fail or run on the wrong GPU). CPU inputs run
-    only in Triton's interpreter; compiled, Triton's own error names neither them nor the fix ("0 active drivers")."""
-    if device.type == "cpu" and isinstance(_dequantize_tile, JITFunction):  # compiled, not interpreted
+    only in Triton's interpreter; compiled, Triton's own error names neither them nor the fix ("0 active drivers").
+    Nor does it for float64 `inputs`, whose `tl.dot` does not compile (a `CompilationError` pointing into the kernel)."""
+    compiled = isinstance(_dequantize_tile, JITFunction)  # not Triton's interpreter
+    if compiled and any(t.dtype == torch.float64 for t in inputs):
+        raise ValueError(
+            "The 'triton' Palu kernels take float32, float16 or bfloat16 inputs, got float64: use the 'eager' backend "
+            "(palu_kernel_backend='eager') for a float64 model"
+        )
+    if device.type == "cpu" and compiled:
         raise ValueError(
             "The 'triton' Palu kernels need their inputs on a GPU, got CPU tensors: use the 'eager' backend (or "
             "'auto', which picks it for CPU inputs), or set TRITON_INTERPRET=1 before triton is imported to run "
@@ -187,7 +194,7 @@ def rope_key_scores(
     half, block_s = head_dim // 2, 64
     seq_tiles = triton.cdiv(seq_len, block_s)
     grid = (batch * groups * seq_tiles,)  # on axis 0 (CUDA allows 65,535 programs on axes 1 and 2: 4M tokens)
-    with _launch_guard(out.device):
+    with _launch_guard(out.device, query_states, latent, up_proj):
         _rope_key_scores_kernel[grid](
             query_states.contiguous(), latent, codes, scales, zeros, up_proj.contiguous(), key_positions.contiguous(),
             inv_freq.float().contiguous(), out,
@@ -242,7 +249,7 @@ def dequantize_matmul(quantized: QuantizedLatents, weight: torch.Tensor) -> torc
     block_s, block_n = 32, 32
     seq_tiles = triton.cdiv(seq_len, block_s)
     grid = (batch * groups * seq_tiles, triton.cdiv(n_out, block_n))  # sequence tiles on axis 0, as above
-    with _launch_guard(out.device):
+    with _launch_guard(out.device, weight):
         _dequantize_matmul_kernel[grid](
             quantized.codes.contiguous(), quantized.scales.contiguous(), quantized.zeros.contiguous(),
             weight.contiguous(), out,
@@ -326,7 +333,7 @@ def dequantize_attend(probs: torch.Tensor, quantized: QuantizedLatents) -> torch
     if partial.numel() == 0 or used_len == 0:
         return partial.sum(0)
     grid = (batch * groups * row_tiles, r_tiles, num_splits)
-    with _launch_guard(partial.device):
+    with _launch_guard(partial.device, probs):
         _dequantize_attend_kernel[grid](
             probs.contiguous(), quantized.codes.contiguous(), quantized.scales.contiguous(),
             quantized.zeros.contiguous(), partial,

@@ -237,19 +237,21 @@ def test_compiled_triton_kernels_on_cpu_inputs_raise_a_clear_error():
         from hf_accel.kernels import get_kernel
         inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
         args = torch.randn(1, 4, 1, 8), torch.randn(1, 1, 5, 6), torch.randn(1, 6, 16), torch.arange(5)[None], inv_freq
-        try:
-            get_kernel("rope_key_scores", "triton")(*args)
-        except ValueError as error:
-            print(error)
+        for dtype in (torch.float32, torch.float64):  # float64's tl.dot does not compile, on a GPU either
+            try:
+                get_kernel("rope_key_scores", "triton")(*[t.to(dtype) if t.is_floating_point() else t for t in args])
+            except ValueError as error:
+                print(error)
         """
     )
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(kernels.__file__)))
     env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
-    assert result.stdout.startswith("The 'triton' Palu kernels need their inputs on a GPU, got CPU tensors"), (
-        result.stdout + result.stderr
-    )
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout + result.stderr
+    assert lines[0].startswith("The 'triton' Palu kernels need their inputs on a GPU, got CPU tensors")
+    assert lines[1].startswith("The 'triton' Palu kernels take float32, float16 or bfloat16 inputs, got float64")
 
 
 ROPE_CASES = [
@@ -478,7 +480,9 @@ def test_triton_kernels_launch_on_their_inputs_device(monkeypatch):
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
     launched_on = []
     real_guard = triton_palu._launch_guard
-    monkeypatch.setattr(triton_palu, "_launch_guard", lambda device: launched_on.append(device) or real_guard(device))
+    monkeypatch.setattr(
+        triton_palu, "_launch_guard", lambda device, *inputs: launched_on.append(device) or real_guard(device, *inputs)
+    )
     query, latent, up_proj, positions, inv_freq = [t.to(DEVICE) for t in _rope_inputs()]
     quantized = _quantized(groups=1, seq_len=10, rank=12).apply(lambda t: t.to(DEVICE))
     triton_palu.rope_key_scores(query, latent, up_proj, positions, inv_freq)
