@@ -8,7 +8,6 @@ loop gets `model_kwargs["cache"]`). The models still take the old argument name 
 
 import inspect
 
-import torch
 import transformers
 from transformers.generation.utils import ALL_CACHE_NAMES
 
@@ -20,23 +19,24 @@ CACHE_NAME = ALL_CACHE_NAMES[0]
 def check_cache_argument(model) -> None:
     """Refuses, in one line, a model whose attention layers would not get the cache from this transformers.
 
-    From 5.24 on, transformers' decoder layers pass the cache to their attention as `cache`. Attention code written
-    before (a CARE or Palu checkpoint converted by an hf-accel older than its 5.24 support, another remote-code
-    attention swapped into a library model) names it `past_key_values`, finds the cache among its ignored keyword
-    arguments and attends to the new tokens alone: every step after the prefill would be silently wrong.
+    From 5.24 on, transformers' layers pass the cache to their attention as `cache`. Attention code written before (a
+    CARE or Palu checkpoint converted by an hf-accel older than its 5.24 support, another remote-code attention swapped
+    into a library model) names it `past_key_values`, finds the cache among its ignored keyword arguments and attends
+    to the new tokens alone: every step after the prefill would be silently wrong. Checked: every direct child of a
+    module whose `forward` takes `cache` (the attention sits under `self_attn`, `attn`, `attention`, ...). A child's
+    `forward` is read as written, not through its wrappers: a wrapper may pass `cache` on as `past_key_values`.
     """
     if CACHE_NAME == "past_key_values":
         return
-    for layer in model.modules():
-        attention = getattr(layer, "self_attn", None)
-        if not isinstance(attention, torch.nn.Module):
+    for parent in model.modules():
+        if "cache" not in inspect.signature(parent.forward).parameters:
             continue
-        passes = inspect.signature(layer.forward).parameters
-        takes = inspect.signature(attention.forward).parameters
-        if "cache" in passes and "cache" not in takes and "past_key_values" in takes:
-            raise ValueError(
-                f"{type(attention).__name__} (the attention of {type(model).__name__}) takes the cache as "
-                f"`past_key_values`, but transformers {transformers.__version__} passes it as `cache`, which it "
-                "would ignore and decode without its cache: convert the checkpoint again with this hf-accel, or "
-                "install transformers 5.23"
-            )
+        for child in parent.children():
+            takes = inspect.signature(child.forward, follow_wrapped=False).parameters
+            if "past_key_values" in takes and "cache" not in takes:
+                raise ValueError(
+                    f"{type(child).__name__} (in {type(model).__name__}) takes the cache as `past_key_values`, but "
+                    f"transformers {transformers.__version__} passes it as `cache`, which it would ignore and decode "
+                    "without its cache: convert the checkpoint again with this hf-accel and load it in a new Python "
+                    "process, or install transformers 5.23"
+                )

@@ -55,10 +55,50 @@ def test_attention_that_takes_the_cache_under_its_old_name_is_refused_where_it_w
     # 5.24 and later: the old attention ignores the cache, and plain `generate` silently decodes something else
     assert not torch.equal(old.generate(ids, **kwargs), reference)
     message = (
-        rf"^OldCareAttention \(the attention of CareLlamaForCausalLM\) takes the cache as `past_key_values`, but "
+        rf"^OldCareAttention \(in CareLlamaForCausalLM\) takes the cache as `past_key_values`, but "
         rf"transformers {transformers.__version__} passes it as `cache`, which it would ignore"
     )
     with pytest.raises(ValueError, match=message):
         check_cache_argument(old)
     with pytest.raises(ValueError, match=message):
         old.generate(ids, custom_generate=custom_generate, drafter=InfinigramDrafter(), **kwargs)
+
+
+def test_attention_under_other_names_that_takes_the_old_cache_name_is_refused_too():
+    # GPT-2 keeps its attention under `attn` (GPT-NeoX `attention`, Falcon `self_attention`); only `self_attn` was read
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97)).eval()
+    check_cache_argument(model)
+    current = type(model.transformer.h[0].attn)
+
+    class OldAttention(current):
+        def forward(self, hidden_states, past_key_values=None, **kwargs):
+            kwargs.pop("cache", None)  # what transformers >= 5.24 passes: code written before left it unread
+            return current.forward(self, hidden_states, **{CACHE_NAME: past_key_values}, **kwargs)
+
+    for block in model.transformer.h:
+        block.attn.__class__ = OldAttention
+    if CACHE_NAME == "past_key_values":
+        check_cache_argument(model)
+    else:
+        with pytest.raises(ValueError, match=r"^OldAttention \(in GPT2LMHeadModel\) takes the cache as `past_key"):
+            check_cache_argument(model)
+
+
+def test_attention_wrapped_to_take_the_cache_under_its_new_name_is_not_refused():
+    # a wrapper that passes `cache` on as `past_key_values` (transformers' own `deprecate_kwarg`, put on an older
+    # checkpoint's attention by its user) decodes right: its inner signature must not get it refused
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    model = make_tiny("llama")
+    care = convert_care(model, kv_keep=0.5, calibration=tiny_calibration(model), progress=False)
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    reference = care.generate(ids, **kwargs)
+    old = _with_attention_of_an_older_checkpoint(care)
+    old_class = type(old.model.layers[0].self_attn)
+    old_class.forward = deprecate_kwarg("cache", "99.0.0", new_name="past_key_values")(old_class.forward)
+    check_cache_argument(old)
+    assert torch.equal(old.generate(ids, **kwargs), reference)
