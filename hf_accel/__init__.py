@@ -3,5 +3,5 @@
 from .loading import DEFAULT_MODEL, load_model_and_tokenizer, resolve_model
 
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["DEFAULT_MODEL", "load_model_and_tokenizer", "resolve_model"]

@@ -88,3 +88,10 @@ def test_installed_outside_the_environment_prefix_finds_its_card_templates(wheel
     assert Path(module).is_relative_to(prefix)
     assert Path(cards) == (prefix / "share" / "hf_accel" / "hub_cards").resolve()
     assert all((Path(cards) / name).is_file() for name in templates.split())
+
+
+def test_the_wheel_carries_the_version_the_package_reports(wheel):
+    # a drafter repository's requirements.txt asks for `hf-accel>=<installed version>`: the two must not drift apart
+    import hf_accel
+
+    assert wheel.name.startswith(f"hf_accel-{hf_accel.__version__}-")
