@@ -68,12 +68,8 @@ def replace_atomically(target: Path, write, *args) -> None:
     killed writers left beside `target` (SIGKILL, the OOM killer: a Hub-layout cache's blob can be a whole model's
     weights) are removed first; another running writer's is kept."""
     host = _host_name()
-    prefix = f".{target.name}."
-    for stale in target.parent.glob(glob.escape(prefix) + "*.incomplete"):
-        pid, _, other_host = stale.name.removeprefix(prefix).removesuffix(".incomplete").partition("@")
-        if other_host == host and not _process_alive(pid):
-            stale.unlink(missing_ok=True)
-    partial = target.with_name(f"{prefix}{os.getpid()}@{host}.incomplete")
+    _remove_dead_scratch(target.parent, f".{target.name}-", host)
+    partial = target.with_name(f".{target.name}-{os.getpid()}@{host}-write.incomplete")
     partial.unlink(missing_ok=True)
     try:
         write(partial, *args)
@@ -150,13 +146,19 @@ def _directory_lock(directory: Path):
 
 
 def _remove_dead_scratch(folder: Path, prefix: str, host: str, older_names: bool = False) -> None:
-    """Removes the `{prefix}{pid}@{host}...` entries of `folder` whose process is gone from this machine (a normal
-    exit always removes its own; SIGKILL and the OOM killer leave them). `older_names`: also those named before the
-    host was added (`{prefix}{pid}-...`)."""
+    """Removes the `{prefix}{pid}@{host}...` entries of `folder` (directories or files) whose process is gone from
+    this machine (a normal exit always removes its own; SIGKILL and the OOM killer leave them). `older_names`: also
+    those named before the host was added (`{prefix}{pid}-...`). An entry whose `pid` is no number is another name that
+    starts with `prefix` (the scratch of `blob-x` beside that of `blob`), never one of these: it stays."""
     for stale in folder.glob(glob.escape(prefix) + "*"):
         pid, other_host = _scratch_owner(stale.name, prefix)
-        if (other_host == host or (older_names and other_host == "")) and not _process_alive(pid):
-            shutil.rmtree(stale, ignore_errors=True)
+        if not pid.isdigit() or not (other_host == host or (older_names and other_host == "")):
+            continue
+        if not _process_alive(pid):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
 
 
 def _host_name() -> str:

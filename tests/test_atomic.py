@@ -192,16 +192,19 @@ def test_replace_atomically_removes_the_partial_files_of_killed_writers_only(tmp
 
     from hf_accel.atomic import _host_name, replace_atomically
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    host, target = _host_name(), tmp_path / "blob"
-    killed = tmp_path / f".blob.{dead.stdout.strip()}@{host}.incomplete"
-    running = tmp_path / f".blob.{os.getppid()}@{host}.incomplete"
-    elsewhere = tmp_path / f".blob.{dead.stdout.strip()}@another_host.incomplete"
-    other_file = tmp_path / f".blobby.{dead.stdout.strip()}@{host}.incomplete"
-    for partial in (killed, running, elsewhere, other_file):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    host, target, pid = _host_name(), tmp_path / "blob", dead.stdout.strip()
+    killed = tmp_path / f".blob-{pid}@{host}-write.incomplete"
+    running = tmp_path / f".blob-{os.getppid()}@{host}-write.incomplete"
+    elsewhere = tmp_path / f".blob-{pid}@another_host-write.incomplete"
+    other_file = tmp_path / f".blobby-{pid}@{host}-write.incomplete"
+    other_target = tmp_path / f".blob-x-{pid}@{host}-write.incomplete"  # the partial file of `blob-x`, not of `blob`
+    for partial in (killed, running, elsewhere, other_file, other_target):
         partial.write_bytes(b"half")
     replace_atomically(target, Path.write_bytes, b"whole")
     assert target.read_bytes() == b"whole"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        p.name for p in (target, running, elsewhere, other_file)
+        p.name for p in (target, running, elsewhere, other_file, other_target)
     )
