@@ -28,6 +28,15 @@ from transformers import DynamicLayer
 from ..compat import CACHE_NAME
 
 
+def refuse_filled_cache(cache) -> None:
+    """Raises `ValueError` for a cache that already holds tokens: both loops start from an empty one."""
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"speculative decoding starts from an empty cache; pass no `{CACHE_NAME}` (or an empty one): to continue "
+            "a conversation, pass its whole text as the prompt"
+        )
+
+
 def validate_cache_for_speculation(cache) -> None:
     """Raises `ValueError` if the engine cannot crop / gather this cache."""
     layers = getattr(cache, "layers", None)

@@ -116,7 +116,7 @@ from transformers.generation import (
 
 from ..compat import CACHE_NAME
 from .acceptance import greedy_accept, gumbel_scores, match_draft_vocab, sample_accept_tree
-from .cache import select_cache_positions, select_cache_rows, validate_cache_for_speculation
+from .cache import refuse_filled_cache, select_cache_positions, select_cache_rows, validate_cache_for_speculation
 from .tree import (
     DraftTree,
     build_tree_attention_mask,
@@ -574,11 +574,7 @@ class SpeculativeEngine:
             # Sliding-window models keep every layer's whole history here; their masks hide what a window drops.
             cache = DynamicCache() if self.window is not None else DynamicCache(config=self.model.config)
         validate_cache_for_speculation(cache)
-        if cache.get_seq_length() > 0:
-            raise ValueError(
-                f"speculative decoding starts from an empty cache; pass no `{CACHE_NAME}` (or an empty one): to "
-                "continue a conversation, pass its whole text as the prompt"
-            )
+        refuse_filled_cache(cache)
         if position_ids is None:
             position_ids = (state.prompt_mask.cumsum(-1) - 1).clamp(min=0)
         # Same inputs as `generate`'s own prefill (2D mask or None, cumsum positions), hence the same logits; like

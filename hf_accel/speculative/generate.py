@@ -36,6 +36,7 @@ from transformers.generation import (
 
 from ..compat import CACHE_NAME, check_cache_argument
 from .acceptance import gumbel_scores
+from .cache import refuse_filled_cache
 from .engine import (
     DraftRequest,
     SpeculativeEngine,
@@ -460,14 +461,9 @@ def assisted_generate(
             "transformers' assisted loop runs its prefill without a drafter's auxiliary inputs (it has "
             "`propose_prefill`); use `custom_generate`"
         )
-    cache = model_kwargs.get(CACHE_NAME)
-    if cache is not None and cache.get_seq_length() > 0:
-        # transformers' assisted loop feeds its first pass the whole `input_ids` on top of the cached tokens (its own
-        # prompt lookup does too): continuing from a filled cache would decode garbage
-        raise ValueError(
-            f"speculative decoding starts from an empty cache; pass no `{CACHE_NAME}` (or an empty one): to continue "
-            "a conversation, pass its whole text as the prompt"
-        )
+    # transformers' assisted loop feeds its first pass the whole `input_ids` on top of the cached tokens (its own
+    # prompt lookup does too): continuing from a filled cache would decode garbage
+    refuse_filled_cache(model_kwargs.get(CACHE_NAME))
     if hasattr(drafter, "last_stats"):
         drafter.last_stats = None  # an earlier `custom_generate` call's: transformers' loop keeps no such statistics
     streamer = streamer if streamer is not None else _generate_argument("streamer")
