@@ -148,13 +148,11 @@ def _directory_lock(directory: Path):
 def _remove_dead_scratch(folder: Path, prefix: str, host: str, older_names: bool = False) -> None:
     """Removes the `{prefix}{pid}@{host}...` entries of `folder` (directories or files) whose process is gone from
     this machine (a normal exit always removes its own; SIGKILL and the OOM killer leave them). `older_names`: also
-    those named before the host was added (`{prefix}{pid}-...`). An entry whose `pid` is no number is another name that
-    starts with `prefix` (the scratch of `blob-x` beside that of `blob`), never one of these: it stays."""
+    those named before the host was added (`{prefix}{pid}-...`). The scratch of `blob-x` beside that of `blob` parses
+    as pid `x` of no host, so it stays unless `older_names`."""
     for stale in folder.glob(glob.escape(prefix) + "*"):
         pid, other_host = _scratch_owner(stale.name, prefix)
-        if not pid.isdigit() or not (other_host == host or (older_names and other_host == "")):
-            continue
-        if not _process_alive(pid):
+        if (other_host == host or (older_names and other_host == "")) and not _process_alive(pid):
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
             else:
