@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from hf_accel.compat import CACHE_NAME
 from hf_accel.compress.palu import (
     PaluConversionConfig,
     convert_palu,
@@ -498,7 +499,7 @@ def test_default_model_full_rank_and_3bit(default_model, shakespeare_text):
     low, info = convert_palu(model, tokenizer, kv_keep=0.5, group_size=1, ranks="uniform", quant_bits=3, **calib)
     assert "3 group(s) of 1 consecutive KV heads" in info["grouping"]
     out = low.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = out[CACHE_NAME]
     assert cache.get_cache_bytes() == cache.get_seq_length() * info["cache_bytes_per_token"]
     assert info["cache_bytes_per_token"] <= info["base_cache_bytes_per_token"] / 8
 

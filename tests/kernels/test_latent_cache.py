@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import hf_accel.kernels.cache as cache_module
+from hf_accel.compat import CACHE_NAME
 from hf_accel.kernels.cache import PaluQuantizedCache, PaluQuantizedLayer
 from hf_accel.kernels.quant import compute_bytes_per_token, dequantize_per_token, quantize_per_token
 
@@ -288,15 +289,15 @@ def test_cache_drives_a_llama_forward_and_generate(tiny_llama):
 
     ids = torch.randint(3, 97, (2, 12))
     cache = PaluQuantizedCache(tiny_llama.config, bits=8)
-    out = tiny_llama(ids, past_key_values=cache, use_cache=True)
-    ref = tiny_llama(ids, past_key_values=DynamicCache(), use_cache=True)
+    out = tiny_llama(ids, **{CACHE_NAME: cache}, use_cache=True)
+    ref = tiny_llama(ids, **{CACHE_NAME: DynamicCache()}, use_cache=True)
     torch.testing.assert_close(out.logits, ref.logits, atol=2e-2, rtol=0)
     assert cache.get_seq_length() == 12 and cache.get_cache_bytes() > 0
     cache.crop(-3)
     assert cache.get_seq_length() == 9
     cache.select_positions(torch.tensor([[0, 1, 2, 5], [0, 1, 3, 4]]))
     assert cache.get_seq_length() == 4
-    generated = tiny_llama.generate(ids, past_key_values=PaluQuantizedCache(bits=4), max_new_tokens=4, do_sample=False)
+    generated = tiny_llama.generate(ids, **{CACHE_NAME: PaluQuantizedCache(bits=4)}, max_new_tokens=4, do_sample=False)
     assert generated.shape == (2, 16)
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from hf_accel.compat import CACHE_NAME
 from hf_accel.compress.care import CareConversionConfig, convert_care, run_care_conversion, save_care_model
 from hf_accel.eval.memory import cache_bytes_per_token
 from tests.compress.care_helpers import FAMILIES, make_tiny, tiny_calibration
@@ -46,7 +47,7 @@ def test_cache_holds_latents_and_bytes_match_ranks(family_setup):
     ranks_k, ranks_v = care.config.care_k_ranks, care.config.care_v_ranks
     assert sum(ranks_k) + sum(ranks_v) == round(0.5 * 2 * 2 * 16)
     with torch.no_grad():
-        cache = care(_ids(), use_cache=True).past_key_values
+        cache = care(_ids(), use_cache=True)[CACHE_NAME]
     for layer, rk, rv in zip(cache.layers, ranks_k, ranks_v):
         assert layer.keys.shape == (2, 1, 12, rk) and layer.values.shape == (2, 1, 12, rv)
     assert cache_bytes_per_token(cache, batch_size=2) == (sum(ranks_k) + sum(ranks_v)) * 4  # float32
@@ -94,17 +95,17 @@ def test_incremental_decoding_crop_and_gather(family_setup):
         full = care(ids).logits
         # prefill 6, then decode the rest one token at a time
         out = care(ids[:, :6], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits]
+        cache, steps = out[CACHE_NAME], [out.logits]
         for t in range(6, 10):
-            out = care(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            out = care(ids[:, t : t + 1], **{CACHE_NAME: cache}, use_cache=True)
             steps.append(out.logits)
         torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
         # crop back to 7 tokens and redo the last three
         cache.crop(-3)  # transformers 5: a negative count of tokens to remove
-        redo = care(ids[:, 7:], past_key_values=cache, use_cache=True).logits
+        redo = care(ids[:, 7:], **{CACHE_NAME: cache}, use_cache=True).logits
         torch.testing.assert_close(redo, full[:, 7:], atol=1e-5, rtol=1e-5)
         # a "tree" of two rejected tokens then the accepted ones, verified with explicit positions, then gathered
-        cache = care(ids[:, :6], use_cache=True).past_key_values
+        cache = care(ids[:, :6], use_cache=True)[CACHE_NAME]
         junk = _ids(seed=9, shape=(2, 2))
         block = torch.cat([junk, ids[:, 6:8]], 1)
         positions = torch.tensor([[6, 7, 6, 7]]).expand(2, -1)
@@ -112,14 +113,14 @@ def test_incremental_decoding_crop_and_gather(family_setup):
         mask[:, :6] = 0
         mask[[0, 1, 1, 2, 3, 3], [6, 6, 7, 8, 8, 9]] = 0  # node i sees its own path only
         mask = mask[None, None].expand(2, 1, 4, 10)
-        tree = care(block, past_key_values=cache, position_ids=positions, attention_mask=mask, use_cache=True).logits
+        tree = care(block, **{CACHE_NAME: cache}, position_ids=positions, attention_mask=mask, use_cache=True).logits
         torch.testing.assert_close(tree[:, 2:], full[:, 6:8], atol=1e-5, rtol=1e-5)
         keep = torch.tensor([0, 1, 2, 3, 4, 5, 8, 9])
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
             if hasattr(layer, "cumulative_length"):  # sliding-window layers (Mistral) count tokens seen
                 layer.cumulative_length = len(keep)
-        after = care(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+        after = care(ids[:, 8:], **{CACHE_NAME: cache}, use_cache=True).logits
         torch.testing.assert_close(after, full[:, 8:], atol=1e-5, rtol=1e-5)
 
 
@@ -238,8 +239,8 @@ def test_a_second_turn_continues_from_the_returned_cache(family_setup):
     ids = torch.cat([first.sequences, follow_up], dim=1)
     mask = torch.cat([mask, torch.ones_like(first.sequences[:, 8:]), follow_mask], dim=1)
     reference = care.generate(input_ids=ids, attention_mask=mask, **kwargs)
-    cache = first.past_key_values
-    out = care.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kwargs)
+    cache = first[CACHE_NAME]
+    out = care.generate(input_ids=ids, attention_mask=mask, **{CACHE_NAME: cache}, **kwargs)
     assert torch.equal(out, reference)
     latent = care.config.care_k_ranks[0], care.config.care_v_ranks[0]
     assert (cache.layers[0].keys.shape[1:], cache.layers[0].values.shape[-1]) == (

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from hf_accel.compat import CACHE_NAME
 from hf_accel.compress.palu import convert_palu, expected_cache_bytes_per_token, save_palu
 from hf_accel.eval.memory import cache_bytes
 from hf_accel.kernels import is_triton_available
@@ -139,7 +140,7 @@ def test_a_chunk_without_a_2d_mask_of_the_whole_sequence_gets_no_key_positions(m
 def _decode_logits(model, cache, tokens, start):
     logits = []
     for i, token in enumerate(tokens):
-        out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=torch.tensor([[start + i]]))
+        out = model(input_ids=token.view(1, 1), **{CACHE_NAME: cache}, position_ids=torch.tensor([[start + i]]))
         logits.append(out.logits[0, -1])
     return torch.stack(logits)
 
@@ -148,12 +149,12 @@ def _decode_logits(model, cache, tokens, start):
 def test_crop_continues_decoding_identically(palu):
     prompt, tokens = _ids(1, 10), _ids(1, 4, seed=3)[0]
     cache = make_palu_cache(palu.config)
-    palu(input_ids=prompt, past_key_values=cache)
+    palu(input_ids=prompt, **{CACHE_NAME: cache})
     expected = _decode_logits(palu, cache, tokens, 10)
     # a rejected draft: three junk tokens in one pass, then cropped away
     cache = make_palu_cache(palu.config)
-    palu(input_ids=prompt, past_key_values=cache)
-    palu(input_ids=_ids(1, 3, seed=4), past_key_values=cache)
+    palu(input_ids=prompt, **{CACHE_NAME: cache})
+    palu(input_ids=_ids(1, 3, seed=4), **{CACHE_NAME: cache})
     cache.crop(-3)  # transformers 5: a negative count removes that many tokens
     assert cache.get_seq_length() == 10
     torch.testing.assert_close(_decode_logits(palu, cache, tokens, 10), expected, atol=1e-5, rtol=1e-5)
@@ -169,11 +170,11 @@ def test_a_whole_pass_cropped_away_runs_again_identically_with_a_window(palu):
     palu.config.palu_residual_length = 4
     try:
         cache = make_palu_cache(palu.config)
-        palu(input_ids=prompt, past_key_values=cache)
-        palu(input_ids=step, past_key_values=cache)
-        first = palu(input_ids=candidate, past_key_values=cache).logits
+        palu(input_ids=prompt, **{CACHE_NAME: cache})
+        palu(input_ids=step, **{CACHE_NAME: cache})
+        first = palu(input_ids=candidate, **{CACHE_NAME: cache}).logits
         cache.crop(-3)
-        again = palu(input_ids=candidate, past_key_values=cache).logits
+        again = palu(input_ids=candidate, **{CACHE_NAME: cache}).logits
     finally:
         palu.config.palu_residual_length = 0
     torch.testing.assert_close(again, first, atol=1e-6, rtol=0)
@@ -183,11 +184,11 @@ def test_a_whole_pass_cropped_away_runs_again_identically_with_a_window(palu):
 def test_select_positions_after_tree_verification(palu):
     prompt, tokens = _ids(1, 8), _ids(1, 3, seed=5)[0]
     cache = make_palu_cache(palu.config)
-    palu(input_ids=prompt, past_key_values=cache)
+    palu(input_ids=prompt, **{CACHE_NAME: cache})
     expected = _decode_logits(palu, cache, tokens, 8)
     # two sibling draft nodes [junk, tokens[0]] at the same position 8; the second must not see the first
     cache = make_palu_cache(palu.config)
-    palu(input_ids=prompt, past_key_values=cache)
+    palu(input_ids=prompt, **{CACHE_NAME: cache})
     mask = torch.zeros(1, 1, 2, 10)
     mask[0, 0, 1, 8] = torch.finfo(torch.float32).min
     mask[0, 0, 0, 9] = torch.finfo(torch.float32).min
@@ -195,7 +196,7 @@ def test_select_positions_after_tree_verification(palu):
         input_ids=torch.tensor([[5, tokens[0]]]),
         attention_mask=mask,
         position_ids=torch.tensor([[8, 8]]),
-        past_key_values=cache,
+        **{CACHE_NAME: cache},
     )
     torch.testing.assert_close(out.logits[0, 1], expected[0], atol=1e-5, rtol=1e-5)
     keep = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 9]])
@@ -211,7 +212,7 @@ def test_select_positions_after_tree_verification(palu):
 def test_cache_bytes_per_token_match_ranks_and_bits(palu):
     config = palu.config
     out = palu.generate(input_ids=_ids(2, 7), max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = out[CACHE_NAME]
     tokens = 2 * cache.get_seq_length()
     num_groups = config.num_key_value_heads // config.palu_group_size
     if config.palu_quant_bits:
@@ -511,12 +512,12 @@ def test_training_with_the_models_own_cache_also_reads_straight_through(palu):
         with torch.no_grad():
             prefill = palu(input_ids=ids)
             step = torch.tensor([[5], [6]])
-            expected = palu(input_ids=step, past_key_values=prefill.past_key_values).logits
-            got = palu(input_ids=step, past_key_values=cached.past_key_values).logits
+            expected = palu(input_ids=step, **{CACHE_NAME: prefill[CACHE_NAME]}).logits
+            got = palu(input_ids=step, **{CACHE_NAME: cached[CACHE_NAME]}).logits
     finally:
         palu.config.palu_residual_length = 0
         palu.zero_grad(set_to_none=True)
-    assert isinstance(cached.past_key_values.layers[0], type(prefill.past_key_values.layers[0]))
+    assert isinstance(cached[CACHE_NAME].layers[0], type(prefill[CACHE_NAME].layers[0]))
     torch.testing.assert_close(v_grad, reference)
     torch.testing.assert_close(got, expected)  # the cache it filled decodes as a no-grad prefill's does
 
@@ -584,9 +585,9 @@ def test_a_pass_with_gradients_after_a_cached_prefix_differentiates_the_scores_w
         monkeypatch.setattr(palu.config, "palu_kernel_backend", backend)
         cache = make_palu_cache(palu.config)
         with torch.no_grad():
-            palu(input_ids=ids[:, :7], past_key_values=cache, use_cache=True)
+            palu(input_ids=ids[:, :7], **{CACHE_NAME: cache}, use_cache=True)
         palu.zero_grad()
-        palu(input_ids=ids[:, 7:], past_key_values=cache, use_cache=True).logits.square().mean().backward()
+        palu(input_ids=ids[:, 7:], **{CACHE_NAME: cache}, use_cache=True).logits.square().mean().backward()
         grads[backend] = attn.k_up.grad.clone(), attn.q_proj.weight.grad.clone()
     palu.zero_grad(set_to_none=True)
     for got, expected in zip(grads["triton"], grads["eager"]):
@@ -792,8 +793,8 @@ def test_a_quantized_model_fills_a_plain_dynamic_cache_with_its_own_layers(palu)
         pytest.skip("float latents are stored in the DynamicCache's own layers")
     ids, own, plain = _ids(2, 9), make_palu_cache(palu.config), DynamicCache()
     with torch.no_grad():
-        expected = palu(ids, past_key_values=own, use_cache=True).logits
-        torch.testing.assert_close(palu(ids, past_key_values=plain, use_cache=True).logits, expected, atol=0, rtol=0)
+        expected = palu(ids, **{CACHE_NAME: own}, use_cache=True).logits
+        torch.testing.assert_close(palu(ids, **{CACHE_NAME: plain}, use_cache=True).logits, expected, atol=0, rtol=0)
     assert [type(layer) for layer in plain.layers] == [PaluQuantizedLayer] * palu.config.num_hidden_layers
     assert cache_bytes(plain) == cache_bytes(own) > 0
     used = DynamicCache()
@@ -801,7 +802,7 @@ def test_a_quantized_model_fills_a_plain_dynamic_cache_with_its_own_layers(palu)
     with pytest.raises(
         ValueError, match="^This Palu model quantizes its latents but got a cache that already holds fl"
     ):
-        palu(ids, past_key_values=used, use_cache=True)
+        palu(ids, **{CACHE_NAME: used}, use_cache=True)
 
 
 def test_masked_softmax_reads_no_mask_as_causal_and_a_boolean_mask_as_its_additive_form():

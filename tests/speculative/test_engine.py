@@ -653,9 +653,9 @@ def test_continuing_from_a_filled_cache_is_refused_in_one_line(tiny_llama):
     follow_up = torch.cat([first.sequences, input_ids], dim=1)
     reference = tiny_llama.generate(follow_up, max_new_tokens=8, do_sample=False)
     for loop in (custom_generate, assisted_generate):
-        cache = copy.deepcopy(first.past_key_values)
+        cache = copy.deepcopy(first[CACHE_NAME])
         with pytest.raises(ValueError, match="starts from an empty cache"):
-            tiny_llama.generate(follow_up, past_key_values=cache, max_new_tokens=8, custom_generate=loop,
+            tiny_llama.generate(follow_up, **{CACHE_NAME: cache}, max_new_tokens=8, custom_generate=loop,
                                 drafter=ReferenceDrafter(reference))  # fmt: skip
         out = tiny_llama.generate(
             follow_up, max_new_tokens=8, custom_generate=loop, drafter=ReferenceDrafter(reference)
@@ -1409,9 +1409,9 @@ def test_a_filled_sliding_window_cache_is_refused_in_one_line():
     model = MistralForCausalLM(config).eval()
     input_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     cache = DynamicCache(config=config)
-    model(input_ids[:, :3], past_key_values=cache)
+    model(input_ids[:, :3], **{CACHE_NAME: cache})
     with pytest.raises(ValueError, match="sliding-window layer"):
-        model.generate(input_ids, past_key_values=cache, max_new_tokens=8, custom_generate=custom_generate,
+        model.generate(input_ids, **{CACHE_NAME: cache}, max_new_tokens=8, custom_generate=custom_generate,
                        drafter=ReferenceDrafter(input_ids, tree=True))  # fmt: skip
 
 

@@ -9,6 +9,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from hf_accel.compat import CACHE_NAME
 from hf_accel.speculative import DraftTree, assisted_generate, custom_generate
 from hf_accel.speculative.drafters import build_drafter
 from hf_accel.speculative.engine import attention_window
@@ -184,7 +185,7 @@ def test_sliding_window_applies_to_explicit_caches_and_plain_layers():
     reference = model.generate(**kwargs)
     for cache in (DynamicCache(), DynamicCache(config=model.config)):
         drafter = ReferenceDrafter(reference, depth=4, tree=True)
-        out = model.generate(**kwargs, past_key_values=cache, custom_generate=custom_generate, drafter=drafter)
+        out = model.generate(**kwargs, **{CACHE_NAME: cache}, custom_generate=custom_generate, drafter=drafter)
         assert torch.equal(out, reference)
 
 

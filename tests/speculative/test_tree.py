@@ -3,6 +3,7 @@ import random
 import pytest
 import torch
 
+from hf_accel.compat import CACHE_NAME
 from hf_accel.speculative.tree import (
     DraftTree,
     build_tree_attention_mask,
@@ -92,11 +93,11 @@ def test_tree_mask_matches_sequential_decoding(tiny_llama):
     tree_ids = torch.tensor([[21, 30, 31, 40, 41]])
     parent = torch.tensor([[-1, 0, 0, 1, 2]])
     cache = DynamicCache(config=tiny_llama.config)
-    tiny_llama(prompt, past_key_values=cache, use_cache=True)
+    tiny_llama(prompt, **{CACHE_NAME: cache}, use_cache=True)
     ancestors = compute_ancestor_matrix(parent)
     mask = build_tree_attention_mask(ancestors, torch.ones(1, 4, dtype=torch.bool))
     positions = tree_position_ids(compute_depths(ancestors), torch.tensor([4]))
-    logits = tiny_llama(tree_ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+    logits = tiny_llama(tree_ids, attention_mask=mask, position_ids=positions, **{CACHE_NAME: cache}).logits
     for node in range(5):
         path = extract_path(parent[0], node)
         full = torch.cat([prompt, tree_ids[:, path]], dim=1)
