@@ -355,10 +355,21 @@ def calibrate_mixed(
     return calibration
 
 
-def check_calibration_source(source: str) -> None:
-    """Fails fast (before a model loads) on a calibration source that is neither `generated`, `hf:...` nor a file."""
+def check_calibration_source(source: str, split: str | None = None, text_column: str | None = None) -> None:
+    """Fails fast (before a model loads) on a calibration source that is neither `generated`, `hf:...` nor a file, or
+    on a split or text column given for a source that is not a dataset."""
     if source != "generated" and not source.startswith("hf:") and not os.path.isfile(source):
         raise FileNotFoundError(f"calibration text not found: {source} (give `generated`, a text file or hf:NAME)")
+    if not source.startswith("hf:") and (split is not None or text_column is not None):
+        raise ValueError(f"a split and a text column choose from a dataset (--calib hf:NAME), not from {source!r}")
+
+
+def calibration_dataset_fields(source: str | None, split: str | None, text_column: str | None) -> dict:
+    """`{"split": ..., "text_column": ...}` as read from an `hf:` source (the defaults filled in), else `{}`: what a
+    card and a rank record add to the source's name so that the calibration can be read again."""
+    if source is None or not source.startswith("hf:"):
+        return {}
+    return {"split": split or "train", "text_column": text_column or "text"}
 
 
 def published_calibration_source(source: str | None) -> str | None:
@@ -376,7 +387,15 @@ def published_calibration_source(source: str | None) -> str | None:
 
 
 def load_calibration_ids(
-    model, tokenizer, source: str, num_samples: int, seq_len: int, seed: int = 0, progress: bool = True
+    model,
+    tokenizer,
+    source: str,
+    num_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    progress: bool = True,
+    split: str | None = None,
+    text_column: str | None = None,
 ) -> torch.Tensor:
     """
     `[num_samples, seq_len]` calibration token ids from one source, the same for CARE and Palu.
@@ -385,10 +404,14 @@ def load_calibration_ids(
         source (`str`): `"generated"` (the model's own samples on [`CALIBRATION_PROMPTS`]), a text-file path, or
             `hf:<dataset>[:<config>]`.
         seed (`int`, *optional*, defaults to 0): the sampling seed, or which windows of the text are drawn.
+        split, text_column (`str`, *optional*): the split and column an `hf:` source is read from (defaults `train`
+            and `text`); refused for other sources.
     """
+    check_calibration_source(source, split, text_column)
     if source == "generated":
         return generate_calibration_ids(model, tokenizer, num_samples, seq_len, seed=seed, progress=progress)
-    return tokenize_calibration_text(tokenizer, load_calibration_text(source), num_samples, seq_len, seed=seed)
+    text = load_calibration_text(source, split or "train", text_column or "text")
+    return tokenize_calibration_text(tokenizer, text, num_samples, seq_len, seed=seed)
 
 
 def _encode_prompts(tokenizer, prompts):

@@ -320,6 +320,8 @@ def prepare_calibration(
     seed: int = 0,
     batch_size: int = 8,
     progress: bool = True,
+    split: str | None = None,
+    text_column: str | None = None,
 ) -> KvCalibration:
     """Builds the calibration set from `calib` and collects its statistics on the original model.
 
@@ -331,18 +333,20 @@ def prepare_calibration(
             samples (`"generated"`); recorded in the checkpoint's card and `care_ranks.json`.
         with_output_grads (`bool`, *optional*, defaults to `True`): also collect loss-gradient moments (needed by the
             default method `care`).
+        split, text_column (`str`, *optional*): the split and column of an `hf:` source (defaults `train`, `text`).
     """
-    from .calibration import load_calibration_ids, published_calibration_source
+    from .calibration import calibration_dataset_fields, load_calibration_ids, published_calibration_source
 
     if tokenizer is None and calib is not None:
         raise ValueError("a tokenizer is needed to build calibration data")
-    ids = load_calibration_ids(model, tokenizer, calib, num_samples, seq_len, seed=seed, progress=progress)
+    ids = load_calibration_ids(model, tokenizer, calib, num_samples, seq_len, seed, progress, split, text_column)
     calibration = collect_kv_calibration(model, ids, None, batch_size, with_output_grads, progress)
     # the card and care_ranks.json are published, the machine's paths are not
     # with the seed, which picked the windows of a text or the model's samples: what it takes to calibrate again
     calibration.meta.update(
         source=published_calibration_source(calib), num_samples=num_samples, seq_len=seq_len, seed=seed
     )
+    calibration.meta.update(calibration_dataset_fields(calib, split, text_column))
     return calibration
 
 
@@ -419,7 +423,8 @@ def convert_care(
             can use one collected without gradients).
         progress (`bool`, *optional*, defaults to `True`): show progress bars.
         kwargs: [`CareConversionConfig`] fields (`alpha`, `lam_frac`, `absorb_value`, ...) and
-            [`prepare_calibration`] arguments (`calib`, `num_samples`, `seq_len`, `seed`, `batch_size`).
+            [`prepare_calibration`] arguments (`calib`, `num_samples`, `seq_len`, `seed`, `batch_size`, `split`,
+            `text_column`).
 
     Returns:
         The converted `Care*ForCausalLM` (eval mode). Its config carries `care_k_ranks` / `care_v_ranks`.

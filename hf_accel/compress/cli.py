@@ -26,6 +26,8 @@ def _add_source_options(parser) -> None:
         type=user_path,
         help="`generated` (sampled from the model), a text file, or hf:<dataset>[:cfg]",
     )
+    parser.add_argument("--calib-split", help="the dataset split (with --calib hf:...; default: train)")
+    parser.add_argument("--calib-text-column", help="the dataset column holding the text (default: text)")
 
 
 def _add_output_options(parser) -> None:
@@ -65,7 +67,7 @@ def _check_sources_and_output(args):
     from .calibration import check_calibration_source
     from .export import card_base_model, check_source_model
 
-    check_calibration_source(args.calib)
+    check_calibration_source(args.calib, args.calib_split, args.calib_text_column)
     source = resolve_model(args.model)
     check_source_model(args.model, source)
     base_model = card_base_model(args.base_model or args.model)
@@ -113,6 +115,8 @@ def run_convert_care(args) -> int:
         num_samples=args.calib_samples,
         seq_len=args.calib_seq_len,
         seed=args.seed,
+        split=args.calib_split,
+        text_column=args.calib_text_column,
     )
     result.model = _saved_like_original(result.model, source, "CARE")
     out = save_care_model(result, tokenizer, args.out, base_model, overwrite=args.overwrite)
@@ -167,7 +171,7 @@ def _add_palu(converters) -> None:
 
 def run_convert_palu(args) -> int:
     from ..cli import print_json
-    from .calibration import load_calibration_ids, published_calibration_source
+    from .calibration import calibration_dataset_fields, load_calibration_ids, published_calibration_source
     from .palu import (
         PaluConversionConfig,
         check_fisher_samples,
@@ -198,12 +202,15 @@ def run_convert_palu(args) -> int:
     ids = load_calibration_ids(
         model, tokenizer, args.calib, args.calib_samples, args.calib_seq_len, seed=conversion.seed,
         progress=True,  # bars go to stderr, --json to stdout
+        split=args.calib_split, text_column=args.calib_text_column,
     )  # fmt: skip
     options = dict(dataclasses.asdict(conversion), group_size=group_size)  # the options checked above, as they are
     palu, info = convert_palu(model, tokenizer, calibration_ids=ids, progress=True, **options)  # bars go to stderr
     palu = _saved_like_original(palu, source, "Palu")
     info["window_bytes_per_sequence"] = window_bytes_per_sequence(palu)  # in the saved dtype
     info["calibration_source"] = published_calibration_source(args.calib)  # a local file by its name
+    fields = calibration_dataset_fields(args.calib, args.calib_split, args.calib_text_column)
+    info.update({f"calibration_{k}": v for k, v in fields.items()})  # a dataset's split and column
     save_palu(palu, tokenizer, out, info, base_model=base_model, overwrite=args.overwrite)
     summary = {
         "model": args.model,

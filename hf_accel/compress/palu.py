@@ -717,7 +717,11 @@ def save_palu(
         settings = {k: info["settings"][k] for k in keys}
         settings.update(kv_keep_achieved=round(info["kv_keep_achieved"], 4), grouping=info["grouping"])
         if info.get("calibration_source"):  # what the CLI read (`--calib`), named as CARE's card names it
-            calibration = {"source": info["calibration_source"], "num_samples": info["settings"]["calib_samples"]}
+            calibration = {"source": info["calibration_source"]}
+            calibration.update(
+                {k: info[f"calibration_{k}"] for k in ("split", "text_column") if f"calibration_{k}" in info}
+            )
+            calibration["num_samples"] = info["settings"]["calib_samples"]
             calibration.update(seq_len=info["settings"]["calib_seq_len"], tokens=info["calibration_tokens"])
             settings["calibration"] = ", ".join(f"{k} {v}" for k, v in calibration.items())
         if info["settings"]["residual_length"]:  # the card's bytes per token leave out this fixed cost

@@ -312,6 +312,34 @@ def test_a_local_calibration_dataset_is_published_by_its_name(tmp_path):
     assert published_calibration_source("generated") == "generated"
 
 
+def test_calibration_reads_the_split_and_column_asked_for(tmp_path):
+    """`split` / `text_column` choose from an `hf:` dataset (defaults `train` / `text`) and are recorded with the
+    source; for a text file or `generated` they are refused rather than ignored."""
+    import datasets
+
+    from hf_accel.compress.calibration import load_calibration_ids, tokenize_calibration_text
+    from hf_accel.compress.care import prepare_calibration
+    from tests.tiny_checkpoints import make_char_tokenizer
+
+    saved = tmp_path / "corpus"
+    train = datasets.Dataset.from_dict({"text": ["train text. " * 40], "content": ["train content. " * 40]})
+    held = datasets.Dataset.from_dict({"text": ["held text. " * 40], "content": ["held-out content! " * 40]})
+    datasets.DatasetDict({"train": train, "validation": held}).save_to_disk(str(saved))
+    model, tokenizer = make_tiny("llama", vocab_size=128), make_char_tokenizer()
+    source = f"hf:{saved}"
+    for split, column, text in [(None, None, "train text. "), ("validation", "content", "held-out content! ")]:
+        ids = load_calibration_ids(model, tokenizer, source, 2, 8, split=split, text_column=column)
+        assert torch.equal(ids, tokenize_calibration_text(tokenizer, text * 40, 2, 8, seed=0))
+    calibration = prepare_calibration(
+        model, tokenizer, source, 2, 8, progress=False, split="validation", text_column="content"
+    )
+    assert calibration.meta["split"] == "validation" and calibration.meta["text_column"] == "content"
+    with pytest.raises(ValueError, match="no split 'test'"):
+        load_calibration_ids(model, tokenizer, source, 2, 8, split="test")
+    with pytest.raises(ValueError, match="not from 'generated'"):
+        load_calibration_ids(model, tokenizer, "generated", 2, 8, split="validation")
+
+
 def test_convert_care_cli_refuses_bad_input_before_loading(tmp_path, capsys, monkeypatch):
     import hf_accel.loading
     from hf_accel.cli import main
@@ -335,6 +363,7 @@ def test_convert_care_cli_refuses_bad_input_before_loading(tmp_path, capsys, mon
         (["--model", str(tmp_path / "local"), "--out", str(tmp_path / "o")], "pass --base-model ORG/NAME"),
         (["--model", str(tmp_path), "--out", str(tmp_path / "o")], "holds no config.json: it is not a saved model"),
         (["--model", str(converted), "--out", str(tmp_path / "o")], "is already a converted checkpoint"),
+        (["--calib", str(a_file), "--calib-text-column", "body", "--out", str(tmp_path / "o")], "(--calib hf:NAME)"),
     ]
     for converter, checks in (("care", cases), ("palu", cases[2:])):  # the model checks are shared
         for extra, message in checks:

@@ -447,6 +447,26 @@ def test_cli_convert_palu(tmp_path, model, tokenizer, capsys):
     assert "2 group(s) of 2 consecutive KV heads" in (out / "README.md").read_text()
 
 
+def test_cli_convert_palu_reads_and_names_a_dataset_split_and_column(tmp_path, model, tokenizer, capsys):
+    import datasets
+
+    from hf_accel.cli import main
+
+    src = tmp_path / "tiny"
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    held = datasets.Dataset.from_dict({"body": [CALIB_TEXT]})
+    datasets.DatasetDict({"validation": held}).save_to_disk(str(tmp_path / "corpus"))
+    argv = ["convert", "palu", "--model", str(src), "--calib", f"hf:{tmp_path / 'corpus'}", "--kv-keep", "0.5"]
+    argv += ["--calib-samples", "4", "--calib-seq-len", "32", "--ranks", "uniform", "--rank-multiple", "2"]
+    argv += ["--out", str(tmp_path / "palu"), "--base-model", "org/tiny"]
+    assert main(argv) == 2  # split `train`, column `text` by default: neither is there
+    assert "no split 'train'" in capsys.readouterr().err
+    assert main(argv + ["--calib-split", "validation", "--calib-text-column", "body"]) == 0
+    card = (tmp_path / "palu" / "README.md").read_text()
+    assert "`source hf:corpus, split validation, text_column body, num_samples 4," in card
+
+
 def test_cli_convert_palu_generated_calibration(tmp_path, model, tokenizer, capsys):
     # `--calib generated` (the default): the model's own samples calibrate, as for CARE; no text file needed
     from hf_accel.cli import main
