@@ -86,6 +86,7 @@ for models whose config names each layer's type ([`attention_window`]).
   rule's) and the text does not depend on the draft tree. With draft probabilities, rejection sampling.
 """
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -115,6 +116,7 @@ from transformers.generation import (
 )
 
 from ..compat import CACHE_NAME
+from ..kernels.cpu_linear import verification_layout
 from .acceptance import greedy_accept, gumbel_scores, match_draft_vocab, sample_accept_tree
 from .cache import refuse_filled_cache, select_cache_positions, select_cache_rows, validate_cache_for_speculation
 from .tree import (
@@ -502,6 +504,8 @@ class SpeculativeEngine:
         self.hidden_layers = tuple(getattr(drafter, "requires_hidden_states", ()) or ())
         self.window, self.mask_per_layer_type = attention_window(model.config)
         self.positions_from_slots = infers_positions_from_slots(model)
+        # the GEMM layout of multi-row passes, measured on this machine (`hf_accel.kernels.cpu_linear`)
+        self.linear_layout = verification_layout(model) or contextlib.nullcontext()
         self.stats = SpeculativeStats()
 
     # ----------------------------------------------------------------------------------------------- decoding loop
@@ -546,9 +550,10 @@ class SpeculativeEngine:
         # where `True` held every layer's states over the whole pass (a long prefill's largest allocation); a model
         # that records every layer regardless reads the list as `True`.
         hidden = list(self.hidden_layers) if self.hidden_layers else False
-        outputs = self.model(
-            **{CACHE_NAME: cache}, use_cache=True, output_hidden_states=hidden, return_dict=True, **inputs
-        )
+        with self.linear_layout:
+            outputs = self.model(
+                **{CACHE_NAME: cache}, use_cache=True, output_hidden_states=hidden, return_dict=True, **inputs
+            )
         outputs.logits = outputs.logits.to(home)
         if outputs.hidden_states is not None:  # only the layers the drafter reads come back
             check_hidden_layers(self.hidden_layers, len(outputs.hidden_states))

@@ -74,9 +74,20 @@ def _ragged_batch(batch_size=4, width=9, seed=0):
     return input_ids, attention_mask
 
 
+@pytest.fixture(params=["linear", "transposed"])
+def layout(request, monkeypatch):
+    """Both GEMM layouts of the engine's passes, whichever this machine measures faster (`kernels.cpu_linear`)."""
+    from hf_accel.kernels.cpu_linear import ROW_GRID, TransposedLinear
+    from hf_accel.speculative import engine
+
+    chosen = (lambda model: TransposedLinear(model, ROW_GRID)) if request.param == "transposed" else (lambda m: None)
+    monkeypatch.setattr(engine, "verification_layout", chosen)
+    return request.param
+
+
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_greedy_identity_chain_and_tree(tiny_llama, tree, batch_size):
+def test_greedy_identity_chain_and_tree(tiny_llama, tree, batch_size, layout):
     input_ids, attention_mask = _ragged_batch(batch_size)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 24, "do_sample": False}
     reference = tiny_llama.generate(**kwargs)
@@ -182,7 +193,7 @@ def test_max_new_tokens_and_max_length_mid_draft(tiny_llama):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_random_trees_never_change_greedy_output(tiny_llama, data):
+def test_random_trees_never_change_greedy_output(tiny_llama, data, layout):
     input_ids, attention_mask = _ragged_batch(data.draw(st.integers(1, 3)), seed=data.draw(st.integers(0, 5)))
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False}
     reference = tiny_llama.generate(**kwargs)

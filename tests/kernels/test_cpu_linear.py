@@ -1,0 +1,85 @@
+"""The GEMM layout of the engine's CPU passes (`hf_accel.kernels.cpu_linear`): same products, other orientation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_accel.kernels import cpu_linear
+from hf_accel.kernels.cpu_linear import (
+    ROW_GRID,
+    TransposedLinear,
+    grid_point,
+    transposed_linear,
+    transposed_row_counts,
+    verification_layout,
+)
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 5), (2, 4, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_transposed_linear_is_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*shape, generator=g), torch.randn(7, 5, generator=g)
+    b = torch.randn(7, generator=g) if bias else None
+    out = transposed_linear(x, w, b)
+    assert out.shape == F.linear(x, w, b).shape and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(transposed_linear(x.double(), w.double()), F.linear(x.double(), w.double()))
+
+
+def test_a_row_count_takes_the_nearest_grid_point_in_log_scale():
+    assert [grid_point(r) for r in (0, 1, 2, 3, 5, 6, 11, 12, 64, 65)] == [None, None, 2, 4, 4, 8, 8, 16, 64, None]
+
+
+def test_the_layout_routes_only_float32_cpu_calls_on_its_row_counts(monkeypatch):
+    routed = []
+
+    def spy(x, weight, bias=None):
+        routed.append(x.numel() // x.shape[-1])
+        return cpu_linear.__dict__["_real"](x, weight, bias)
+
+    monkeypatch.setitem(cpu_linear.__dict__, "_real", transposed_linear)
+    monkeypatch.setattr(cpu_linear, "transposed_linear", spy)
+    layer = torch.nn.Linear(6, 4)
+    inputs = [torch.randn(rows, 6) for rows in (1, 2, 3, 5, 64, 65)]  # 3 and 5 count as 4; 2 is not chosen
+    with torch.no_grad():
+        expected = [F.linear(x, layer.weight, layer.bias) for x in inputs]
+        with TransposedLinear(layer, {4, 64}):
+            got = [layer(x) for x in inputs]
+            layer(torch.ones(1, 4, 6))  # 4 rows in a 3-D input: routed
+        layer(torch.ones(4, 6))  # after the exit: not routed
+        assert "forward" not in layer.__dict__
+        with TransposedLinear(layer.double(), {4}):  # float64 weights: not routed
+            layer(torch.ones(4, 6, dtype=torch.float64))
+        hooked = torch.nn.Linear(6, 4)
+        hooked.forward = lambda x: torch.zeros(x.shape[0], 4)  # an instance forward of its own (accelerate's hooks)
+        layout = TransposedLinear(hooked, {4})
+        with layout:
+            assert not hooked(torch.ones(4, 6)).any()
+        assert hooked.__dict__["forward"] is not None and not layout.entered
+    assert routed == [3, 5, 64, 4]
+    for out, ref in zip(got, expected):
+        torch.testing.assert_close(out, ref)
+
+
+def test_the_layouts_are_measured_once_per_weight_shapes(monkeypatch):
+    weights = [torch.randn(48, 16), torch.randn(16, 48)]
+    monkeypatch.setattr(cpu_linear, "_DECISIONS", {})
+    first = transposed_row_counts(weights)
+    assert first <= set(ROW_GRID)
+    calls = []
+    monkeypatch.setattr(cpu_linear, "transposed_linear", lambda *a: calls.append(a))
+    assert transposed_row_counts([torch.zeros(48, 16), torch.zeros(16, 48)]) is first and not calls
+    assert transposed_row_counts([]) == frozenset()
+
+
+def test_the_layout_leaves_float64_and_compiled_models_alone(tiny_llama, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "transposed_row_counts", lambda weights: frozenset(ROW_GRID))
+    layout = verification_layout(tiny_llama)
+    assert isinstance(layout, TransposedLinear) and layout.row_counts == set(ROW_GRID)
+    assert len(layout.layers) == sum(type(m) is torch.nn.Linear for m in tiny_llama.modules())
+    assert verification_layout(torch.nn.Module()) is None  # no parameters
+    assert verification_layout(torch.nn.Linear(2, 2).double()) is None
+    assert verification_layout(torch.compile(torch.nn.Linear(2, 2))) is None
+    monkeypatch.setattr(cpu_linear, "transposed_row_counts", lambda weights: frozenset())
+    assert verification_layout(tiny_llama) is None  # x·Wᵀ won everywhere
