@@ -94,16 +94,12 @@ def test_the_palu_table_gives_every_bit_width_with_and_without_the_rotation():
     assert care == {kv: _palu_cell(records[None, "care", kv, False, 0]) for kv in (0.75, 0.5)}
 
 
-def test_the_session_25_generation_table_gives_its_json_records_figures():
-    """Issue 6 asks for `pld` beside `ngram` at batch 1 and 8, greedy and at T = 0.7: the table that added the cells
-    no other table had holds the figures of `docs/speculative/v8_*.json`, every method of every run."""
-    rows = _table(
-        "| prompts | batch | decoding | method | tokens/s | speedup | tokens per pass | target passes | identical |"
-    )
-    runs = ["he_b8_greedy", "he_b8_t07", "chat_b8_greedy", "chat_b8_t07", "he_b1_t07", "chat_b1_t07"]
+def _generation_table_and_records(header: str, prefix: str, runs: list[str]):
+    """`(rows read from the README table headed `header`, rows made from `docs/speculative/{prefix}_{run}.json`)`:
+    batch, tokens/s, speedup, tokens per pass, target passes and identity, every method of every run."""
     expected = []
     for run in runs:
-        record = json.loads((ROOT / "docs" / "speculative" / f"v8_{run}.json").read_text())
+        record = json.loads((ROOT / "docs" / "speculative" / f"{prefix}_{run}.json").read_text())
         for method, figures in record["methods"].items():
             assert method.split(":")[0] in ("vanilla", "pld", "ngram")
             identical = {None: "–", True: "yes", False: "no"}[figures["identical"]]
@@ -117,5 +113,27 @@ def test_the_session_25_generation_table_gives_its_json_records_figures():
                     identical,
                 )
             )
-    got = [(int(r[1]), *(_numbers(c)[0] for c in r[4:8]), r[8]) for r in rows]
+    got = [(int(r[1]), *(_numbers(c)[0] for c in r[4:8]), r[8]) for r in _table(header)]
+    return got, expected
+
+
+def test_the_session_25_generation_table_gives_its_json_records_figures():
+    """Issue 6 asks for `pld` beside `ngram` at batch 1 and 8, greedy and at T = 0.7: the table that added the cells
+    no other table had holds the figures of `docs/speculative/v8_*.json`, every method of every run."""
+    header = (
+        "| prompts | batch | decoding | method | tokens/s | speedup | tokens per pass | target passes | identical |"
+    )
+    runs = ["he_b8_greedy", "he_b8_t07", "chat_b8_greedy", "chat_b8_t07", "he_b1_t07", "chat_b1_t07"]
+    got, expected = _generation_table_and_records(header, "v8", runs)
+    assert got == expected
+
+
+def test_the_session_26_generation_table_gives_its_json_records_figures():
+    """The table measured with the engine's GEMM layout holds the figures of `docs/speculative/v9_*.json`."""
+    header = (
+        "| prompts | batch | decoding | method (session 26) | tokens/s | speedup | tokens per pass | target passes "
+        "| identical |"
+    )
+    runs = ["he_b1_greedy", "chat_b1_greedy", "he_b8_greedy", "chat_b8_greedy", "he_b1_t07"]
+    got, expected = _generation_table_and_records(header, "v9", runs)
     assert got == expected

@@ -12,6 +12,9 @@ Palu pieces (spec 002), for the converter and the Palu attention:
 - kernels, by name through `get_kernel(name, backend)` with backend `"eager"`, `"triton"` or `"auto"`:
   `rope_key_scores` (latent × B → RoPE → q·kᵀ, plain or packed latents), `dequantize_matmul` (packed latents × B),
   `dequantize_attend` (probabilities × packed value latents).
+
+For the speculative engine: `cpu_linear`, the GEMM layout (`x·Wᵀ` or `(W·xᵀ)ᵀ`) its CPU passes run `nn.Linear` in,
+measured per machine.
 """
 
 import hashlib

@@ -40,6 +40,25 @@ def test_pass_cost_json_holds_the_printed_ratios(tiny_loaded, capsys):
     report = json.loads(capsys.readouterr().out)
     assert list(report["ms"]) == list(report["relative"]) == list(report["head_ms"]) == ["1", "2", "4"]
     assert report["relative"]["1"] == 1.0 and report["context"] == 8
+    assert list(report["engine_ms"]) == list(report["engine_relative"]) == ["1", "2", "4"]
+
+
+@pytest.mark.parametrize("layout", ["plain", "transposed"])
+def test_the_layout_probe_forces_the_engines_layout(tiny_loaded, capsys, monkeypatch, layout):
+    from hf_accel.kernels import cpu_linear
+    from hf_accel.kernels.cpu_linear import ROW_GRID
+    from hf_accel.speculative import engine
+
+    monkeypatch.setattr(engine, "verification_layout", engine.verification_layout)  # restored after the test
+    monkeypatch.setattr(cpu_linear, "verification_layout", cpu_linear.verification_layout)
+    main = run_script("probe_linear_layout.py")["main"]
+    assert main(["sideways", "scripts/pass_cost.py"]) == 2 and "usage" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # the script's own `sys.exit(main())`
+        main([layout, str(SCRIPTS / "pass_cost.py"), "--tokens", "2", "--context", "8", "--repeats", "1"])
+    assert exit_info.value.code == 0 and "in the engine's layout" in capsys.readouterr().out
+    chosen = engine.verification_layout(make_tiny_llama())
+    assert (chosen is None) if layout == "plain" else (chosen.row_counts == set(ROW_GRID))
+    assert cpu_linear.verification_layout is engine.verification_layout
 
 
 def simulation_inputs(tmp_path, count: int = 4) -> list[str]:
