@@ -1,17 +1,18 @@
 """The GEMM layout of the speculative engine's passes on CPU: `x·Wᵀ` (what `nn.Linear` runs) or `(W·xᵀ)ᵀ`.
 
 A verification pass multiplies every weight by a few rows (the draft tree's nodes), and the BLAS kernel that
-`torch.nn.functional.linear` reaches for so few rows can cost far more than the layout's other orientation: with
-MKL on an AMD EPYC (the 2-core machine of issue 6), `x·Wᵀ` over 2-4 rows took 1.5-1.9x the 1-row step of plain
-decoding, and the same product as `(W·xᵀ)ᵀ` 0.8-0.9x of it (`python scripts/pass_cost.py`). Which layout is faster
-depends on the BLAS library and the CPU, so it is measured, not assumed: [`transposed_row_counts`] times both on the
-model's own weights for each row count of [`ROW_GRID`], once per process, and [`TransposedLinear`] runs the model's
-`nn.Linear` layers as `(W·xᵀ)ᵀ` during a pass for the row counts that ran faster that way. One-row passes (plain
-decoding, a drafter that proposes nothing) are a matrix-vector product in both layouts and are never touched.
+`torch.nn.functional.linear` reaches for so few rows can cost far more than the other orientation: with MKL on an
+AMD EPYC (the 2-core machine of issue 6), a pass over 2-4 tokens in `x·Wᵀ` took 1.47-2.04x the one-token step of
+plain decoding, and in `(W·xᵀ)ᵀ` 0.67-0.82x of it (`python scripts/pass_cost.py`). Which layout is faster depends on
+the BLAS library and the CPU, so it is measured, not assumed: [`transposed_row_counts`] times both layouts over the
+model's own weights (up to 512 MB of them, streamed from memory as in a pass) for each row count of [`ROW_GRID`],
+once per process, and keeps `(W·xᵀ)ᵀ` where it was at least 10 % faster; [`TransposedLinear`] runs the model's
+`nn.Linear` layers in it during the engine's passes over those row counts. One-row passes (plain decoding, a drafter
+that proposes nothing) are a matrix-vector product in both layouts and are never touched.
 
 The two layouts sum the same products in different orders: logits differ in the last bits, as they already do
-between a one-row and a multi-row pass, so greedy output stays identical to plain decoding under the engine's
-contract (a near-tie is the one way it could flip, and is reported).
+between a one-row and a multi-row pass. A greedy token could flip only on an exact near-tie, which `hf-accel bench
+generate` would show as a non-identical output; none has in any run.
 """
 
 import functools
@@ -23,18 +24,18 @@ import torch
 import torch.nn.functional as F
 
 
-ROW_GRID = (2, 4, 8, 16, 32, 64)  # row counts measured; a pass's count takes the decision of the nearest (log scale)
+ROW_GRID = (2, 4, 8, 16, 32)  # row counts measured; a pass's count takes the decision of the nearest (log scale)
+MARGIN = 0.9  # `(W·xᵀ)ᵀ` is kept where it took at most this fraction of `x·Wᵀ`'s time: noise does not flip a tie
+WEIGHT_BUDGET = 512 * 2**20  # bytes of weights timed: a large model's passes stream more, at the same speed
 
 _DECISIONS: dict[tuple, frozenset[int]] = {}  # per weight shapes, dtype and thread count: measured once
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` computed as `(weight · xᵀ)ᵀ`, for `x` of any leading shape."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.mm(weight, rows.t()).t()
-    if bias is not None:
-        out = out + bias
-    return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+    rows = x.reshape(-1, x.shape[-1]).t()
+    out = torch.mm(weight, rows) if bias is None else torch.addmm(bias.unsqueeze(1), weight, rows)
+    return out.t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
 
 def grid_point(rows: int) -> int | None:
@@ -47,12 +48,14 @@ def grid_point(rows: int) -> int | None:
 
 class TransposedLinear:
     """While entered, the float32 CPU `nn.Linear` layers of `model` run as [`transposed_linear`] for inputs whose row
-    count falls on `row_counts` (grid points of [`ROW_GRID`]), and as before for every other input.
+    count falls on `row_counts` (grid points of [`ROW_GRID`]), and as before for every other input (and under
+    autocast, which picks its own dtype for the product).
 
     Each layer gets an instance `forward` for the duration (one Python call per layer, where a `TorchFunctionMode`
-    would see every tensor operation of the pass: about 8 % of a one-token pass of the default model), removed on
-    exit. Layers that already have their own instance `forward` (accelerate's hooks) are left as they are. Another
-    thread calling `model` meanwhile also gets the layout: the same products, summed in another order.
+    would see every tensor operation of the pass: about 8 % of a one-token pass of the default model), removed when
+    the entry that installed it exits. Entries may nest (the engine's own passes run one at a time). Layers that
+    already have their own instance `forward` (accelerate's hooks) are left as they are. Another thread calling
+    `model` meanwhile also gets the layout: the same products, summed in another order.
     """
 
     def __init__(self, model, row_counts):
@@ -62,11 +65,12 @@ class TransposedLinear:
             for m in model.modules()
             if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
         ]
-        self.entered = []
+        self.entered = []  # per entry still open, innermost last: the layers it gave a `forward`
 
     def _forward(self, layer, x):
         if (
             x.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu")
             and x.dim() >= 1
             and grid_point(x.numel() // max(x.shape[-1], 1)) in self.row_counts
         ):
@@ -74,34 +78,43 @@ class TransposedLinear:
         return F.linear(x, layer.weight, layer.bias)
 
     def __enter__(self):
-        self.entered = [layer for layer in self.layers if "forward" not in layer.__dict__]
-        for layer in self.entered:
-            layer.__dict__["forward"] = functools.partial(self._forward, layer)
+        installed = []
+        try:
+            for layer in self.layers:
+                if "forward" not in layer.__dict__:
+                    layer.__dict__["forward"] = functools.partial(self._forward, layer)
+                    installed.append(layer)
+        finally:  # an interrupt halfway still leaves the exit something to remove
+            self.entered.append(installed)
         return self
 
     def __exit__(self, *exc):
-        for layer in self.entered:
+        for layer in self.entered.pop():
             layer.__dict__.pop("forward", None)
-        self.entered = []
 
 
-def _linear_weights(model, count: int = 8) -> list[torch.Tensor]:
-    """The output projection's weight and the first `count` other `nn.Linear` weights: a decoder layer's worth."""
-    weights = []
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, torch.nn.Linear):
-        weights.append(head.weight)
+def _linear_weights(model, budget: int = WEIGHT_BUDGET) -> list[torch.Tensor]:
+    """The float32 CPU `nn.Linear` weights of `model` in module order, each tensor once (tied ones too), until
+    `budget` bytes: what a pass reads, or its first layers' worth of a large model."""
+    weights, seen, total = [], set(), 0
     for module in model.modules():
-        if len(weights) > count:
+        if not isinstance(module, torch.nn.Linear) or id(module.weight) in seen:
+            continue
+        w = module.weight
+        if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+            continue
+        if weights and total + w.nbytes > budget:
             break
-        if isinstance(module, torch.nn.Linear) and module is not head:
-            weights.append(module.weight)
-    return [w for w in weights if w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2]
+        weights.append(w)
+        seen.add(id(w))
+        total += w.nbytes
+    return weights
 
 
 def transposed_row_counts(weights, repeats: int = 3) -> frozenset[int]:
-    """The [`ROW_GRID`] counts at which `(W·xᵀ)ᵀ` ran faster than `x·Wᵀ` over `weights` (median of `repeats`,
-    the two layouts alternating). Measured once per process for the same weight shapes, dtype and thread count."""
+    """The [`ROW_GRID`] counts at which `(W·xᵀ)ᵀ` took at most [`MARGIN`] of `x·Wᵀ`'s time over `weights` (medians
+    of `repeats`, the two layouts alternating). Measured once per process for the same weight shapes, dtype and thread
+    count."""
     weights = list(weights)
     if not weights:
         return frozenset()
@@ -119,7 +132,7 @@ def transposed_row_counts(weights, repeats: int = 3) -> frozenset[int]:
                         for w in weights:
                             layout(inputs[w.shape[1]], w)
                         measured.append(time.perf_counter() - start)
-                if statistics.median(times[transposed_linear][1:]) < statistics.median(times[F.linear][1:]):
+                if statistics.median(times[transposed_linear][1:]) <= MARGIN * statistics.median(times[F.linear][1:]):
                     faster.add(rows)
         _DECISIONS[key] = frozenset(faster)
     return _DECISIONS[key]
@@ -132,7 +145,8 @@ def verification_layout(model) -> TransposedLinear | None:
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.float32:
         return None
-    if hasattr(model, "_orig_mod") or torch.compiler.is_compiling():  # a compiled model keeps its traced kernels
+    compiled = hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+    if compiled or torch.compiler.is_compiling():  # `torch.compile(model)`, `model.compile()`: traced kernels stay
         return None
     row_counts = transposed_row_counts(_linear_weights(model))
     return TransposedLinear(model, row_counts) if row_counts else None

@@ -28,7 +28,7 @@ def test_transposed_linear_is_linear(shape, bias):
 
 
 def test_a_row_count_takes_the_nearest_grid_point_in_log_scale():
-    assert [grid_point(r) for r in (0, 1, 2, 3, 5, 6, 11, 12, 64, 65)] == [None, None, 2, 4, 4, 8, 8, 16, 64, None]
+    assert [grid_point(r) for r in (0, 1, 2, 3, 5, 6, 11, 12, 32, 33)] == [None, None, 2, 4, 4, 8, 8, 16, 32, None]
 
 
 def test_the_layout_routes_only_float32_cpu_calls_on_its_row_counts(monkeypatch):
@@ -41,12 +41,14 @@ def test_the_layout_routes_only_float32_cpu_calls_on_its_row_counts(monkeypatch)
     monkeypatch.setitem(cpu_linear.__dict__, "_real", transposed_linear)
     monkeypatch.setattr(cpu_linear, "transposed_linear", spy)
     layer = torch.nn.Linear(6, 4)
-    inputs = [torch.randn(rows, 6) for rows in (1, 2, 3, 5, 64, 65)]  # 3 and 5 count as 4; 2 is not chosen
+    inputs = [torch.randn(rows, 6) for rows in (1, 2, 3, 5, 32, 33)]  # 3 and 5 count as 4; 2 is not chosen
     with torch.no_grad():
         expected = [F.linear(x, layer.weight, layer.bias) for x in inputs]
-        with TransposedLinear(layer, {4, 64}):
+        with TransposedLinear(layer, {4, 32}):
             got = [layer(x) for x in inputs]
             layer(torch.ones(1, 4, 6))  # 4 rows in a 3-D input: routed
+            with torch.autocast("cpu", torch.bfloat16):  # autocast picks the product's dtype: not routed
+                assert layer(torch.ones(4, 6)).dtype == torch.bfloat16
         layer(torch.ones(4, 6))  # after the exit: not routed
         assert "forward" not in layer.__dict__
         with TransposedLinear(layer.double(), {4}):  # float64 weights: not routed
@@ -57,9 +59,33 @@ def test_the_layout_routes_only_float32_cpu_calls_on_its_row_counts(monkeypatch)
         with layout:
             assert not hooked(torch.ones(4, 6)).any()
         assert hooked.__dict__["forward"] is not None and not layout.entered
-    assert routed == [3, 5, 64, 4]
+    assert routed == [3, 5, 32, 4]
     for out, ref in zip(got, expected):
         torch.testing.assert_close(out, ref)
+
+
+def test_entries_nest_and_the_one_that_installed_the_layout_removes_it():
+    layer = torch.nn.Linear(6, 4)
+    layout = TransposedLinear(layer, {4})
+    with layout:
+        with layout:  # nested: the layers already have the layout's forward
+            assert "forward" in layer.__dict__
+        assert "forward" in layer.__dict__  # the inner exit removed nothing
+        with TransposedLinear(layer, {2}):
+            pass
+        assert "forward" in layer.__dict__
+    assert "forward" not in layer.__dict__ and not layout.entered
+
+
+def test_the_timed_weights_are_each_tensor_once_up_to_a_budget():
+    from hf_accel.kernels.cpu_linear import _linear_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 16))
+    model[2].weight = model[0].weight  # tied
+    model.append(torch.nn.Linear(8, 4).double())
+    assert [tuple(w.shape) for w in _linear_weights(model)] == [(16, 8), (8, 16)]
+    assert len(_linear_weights(model, budget=16 * 8 * 4)) == 1
+    assert len(_linear_weights(model, budget=1)) == 1  # always one at least
 
 
 def test_the_layouts_are_measured_once_per_weight_shapes(monkeypatch):
@@ -81,5 +107,8 @@ def test_the_layout_leaves_float64_and_compiled_models_alone(tiny_llama, monkeyp
     assert verification_layout(torch.nn.Module()) is None  # no parameters
     assert verification_layout(torch.nn.Linear(2, 2).double()) is None
     assert verification_layout(torch.compile(torch.nn.Linear(2, 2))) is None
+    compiled_in_place = torch.nn.Linear(2, 2)
+    compiled_in_place.compile()
+    assert verification_layout(compiled_in_place) is None
     monkeypatch.setattr(cpu_linear, "transposed_row_counts", lambda weights: frozenset())
     assert verification_layout(tiny_llama) is None  # x·Wᵀ won everywhere
