@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     prefix = torch.randint(0, vocab, (1, args.context), generator=generator)
     ms, engine_ms, head_ms = {}, {}, {}
     head = model.get_output_embeddings()
-    layouts = {"plain": contextlib.nullcontext(), "engine": verification_layout(model) or contextlib.nullcontext()}
+    engine_layout = verification_layout(model)
+    layouts = {"plain": contextlib.nullcontext(), "engine": engine_layout or contextlib.nullcontext()}
     with torch.no_grad():
         for n in args.tokens:
             times = {name: [] for name in layouts}
@@ -76,6 +77,7 @@ def main(argv=None) -> int:
         "threads": torch.get_num_threads(),
         "ms": {str(n): round(v, 1) for n, v in ms.items()},
         "relative": {str(n): round(v / ms[1], 2) for n, v in ms.items()},
+        "engine_layout_rows": sorted(engine_layout.row_counts) if engine_layout is not None else [],
         "engine_ms": {str(n): round(v, 1) for n, v in engine_ms.items()},
         "engine_relative": {str(n): round(v / ms[1], 2) for n, v in engine_ms.items()},  # to plain decoding's step
         "head_ms": {str(n): round(v, 1) for n, v in head_ms.items()},

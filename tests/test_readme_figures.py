@@ -128,8 +128,19 @@ def test_the_session_25_generation_table_gives_its_json_records_figures():
     assert got == expected
 
 
+def test_the_session_26_final_layout_table_gives_its_json_records_figures():
+    """The table measured with the engine's final layout timing holds the figures of `docs/speculative/v10_*.json`."""
+    header = (
+        "| prompts | batch | decoding | method (final layout) | tokens/s | speedup | tokens per pass | target passes "
+        "| identical |"
+    )
+    runs = ["he_b1_greedy", "he_b1_greedy_run2", "chat_b1_greedy", "he_b8_greedy", "chat_b8_greedy"]
+    got, expected = _generation_table_and_records(header, "v10", runs)
+    assert got == expected
+
+
 def test_the_session_26_generation_table_gives_its_json_records_figures():
-    """The table measured with the engine's GEMM layout holds the figures of `docs/speculative/v9_*.json`."""
+    """The first table measured with the engine's GEMM layout holds the figures of `docs/speculative/v9_*.json`."""
     header = (
         "| prompts | batch | decoding | method (session 26) | tokens/s | speedup | tokens per pass | target passes "
         "| identical |"

@@ -273,5 +273,15 @@ def bench_generate(
         "seed": seed,
         "pld_tokens": pld_tokens,
         "max_new_tokens": max_new_tokens,
+        "engine_linear_layout_rows": _layout_rows(model),
         "methods": summarize(runs, prompts, do_sample),
     }
+
+
+def _layout_rows(model) -> list[int]:
+    """The row counts the engine's passes ran in the `(W·xᵀ)ᵀ` layout in this process (`kernels.cpu_linear`; its
+    measurement is cached, so this reads what the runs used); `[]` where none did."""
+    from ..speculative import engine
+
+    layout = engine.verification_layout(model)
+    return sorted(layout.row_counts) if layout is not None else []

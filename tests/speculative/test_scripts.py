@@ -41,6 +41,7 @@ def test_pass_cost_json_holds_the_printed_ratios(tiny_loaded, capsys):
     assert list(report["ms"]) == list(report["relative"]) == list(report["head_ms"]) == ["1", "2", "4"]
     assert report["relative"]["1"] == 1.0 and report["context"] == 8
     assert list(report["engine_ms"]) == list(report["engine_relative"]) == ["1", "2", "4"]
+    assert set(report["engine_layout_rows"]) <= {2, 4, 8, 16, 32}
 
 
 @pytest.mark.parametrize("layout", ["plain", "transposed"])
