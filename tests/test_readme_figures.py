@@ -94,9 +94,28 @@ def test_the_palu_table_gives_every_bit_width_with_and_without_the_rotation():
     assert care == {kv: _palu_cell(records[None, "care", kv, False, 0]) for kv in (0.75, 0.5)}
 
 
-def _generation_table_and_records(header: str, prefix: str, runs: list[str]):
-    """`(rows read from the README table headed `header`, rows made from `docs/speculative/{prefix}_{run}.json`)`:
-    batch, tokens/s, speedup, tokens per pass, target passes and identity, every method of every run."""
+GENERATION_TABLES = {
+    # method column of the header: (JSON prefix under docs/speculative/, runs in table order)
+    # session 25: `pld` beside `ngram` at batch 1 and 8, greedy and at T = 0.7, the cells no other table had
+    "method": ("v8", ["he_b8_greedy", "he_b8_t07", "chat_b8_greedy", "chat_b8_t07", "he_b1_t07", "chat_b1_t07"]),
+    # session 26: the engine's GEMM layout, first run (commit bb84469) and with the final timing
+    "method (session 26)": ("v9", ["he_b1_greedy", "chat_b1_greedy", "he_b8_greedy", "chat_b8_greedy", "he_b1_t07"]),
+    "method (final layout)": (
+        "v10",
+        ["he_b1_greedy", "he_b1_greedy_run2", "chat_b1_greedy", "he_b8_greedy", "chat_b8_greedy"],
+    ),
+}
+
+
+@pytest.mark.parametrize("method_column", list(GENERATION_TABLES))
+def test_each_generation_table_gives_its_json_records_figures(method_column):
+    """Each issue-6 table of batch, tokens/s, speedup, tokens per pass, target passes and identity holds the
+    figures of the JSON records it cites, every method of every run, in order."""
+    prefix, runs = GENERATION_TABLES[method_column]
+    header = (
+        f"| prompts | batch | decoding | {method_column} | tokens/s | speedup | tokens per pass | target passes "
+        "| identical |"
+    )
     expected = []
     for run in runs:
         record = json.loads((ROOT / "docs" / "speculative" / f"{prefix}_{run}.json").read_text())
@@ -114,37 +133,4 @@ def _generation_table_and_records(header: str, prefix: str, runs: list[str]):
                 )
             )
     got = [(int(r[1]), *(_numbers(c)[0] for c in r[4:8]), r[8]) for r in _table(header)]
-    return got, expected
-
-
-def test_the_session_25_generation_table_gives_its_json_records_figures():
-    """Issue 6 asks for `pld` beside `ngram` at batch 1 and 8, greedy and at T = 0.7: the table that added the cells
-    no other table had holds the figures of `docs/speculative/v8_*.json`, every method of every run."""
-    header = (
-        "| prompts | batch | decoding | method | tokens/s | speedup | tokens per pass | target passes | identical |"
-    )
-    runs = ["he_b8_greedy", "he_b8_t07", "chat_b8_greedy", "chat_b8_t07", "he_b1_t07", "chat_b1_t07"]
-    got, expected = _generation_table_and_records(header, "v8", runs)
-    assert got == expected
-
-
-def test_the_session_26_final_layout_table_gives_its_json_records_figures():
-    """The table measured with the engine's final layout timing holds the figures of `docs/speculative/v10_*.json`."""
-    header = (
-        "| prompts | batch | decoding | method (final layout) | tokens/s | speedup | tokens per pass | target passes "
-        "| identical |"
-    )
-    runs = ["he_b1_greedy", "he_b1_greedy_run2", "chat_b1_greedy", "he_b8_greedy", "chat_b8_greedy"]
-    got, expected = _generation_table_and_records(header, "v10", runs)
-    assert got == expected
-
-
-def test_the_session_26_generation_table_gives_its_json_records_figures():
-    """The first table measured with the engine's GEMM layout holds the figures of `docs/speculative/v9_*.json`."""
-    header = (
-        "| prompts | batch | decoding | method (session 26) | tokens/s | speedup | tokens per pass | target passes "
-        "| identical |"
-    )
-    runs = ["he_b1_greedy", "chat_b1_greedy", "he_b8_greedy", "chat_b8_greedy", "he_b1_t07"]
-    got, expected = _generation_table_and_records(header, "v9", runs)
     assert got == expected
