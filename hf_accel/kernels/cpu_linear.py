@@ -60,6 +60,8 @@ class TransposedLinear:
 
     def __init__(self, model, row_counts):
         self.row_counts = frozenset(row_counts)
+        # every row count the layout takes, resolved once: a pass calls `_forward` once per layer
+        self.routed_rows = frozenset(r for r in range(2, ROW_GRID[-1] + 1) if grid_point(r) in self.row_counts)
         self.layers = [
             m
             for m in model.modules()
@@ -72,7 +74,7 @@ class TransposedLinear:
             x.dtype == torch.float32
             and not torch.is_autocast_enabled("cpu")
             and x.dim() >= 1
-            and grid_point(x.numel() // max(x.shape[-1], 1)) in self.row_counts
+            and x.numel() // max(x.shape[-1], 1) in self.routed_rows
         ):
             return transposed_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
