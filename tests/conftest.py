@@ -88,6 +88,16 @@ def tiny_llama():
     return make_tiny_llama()
 
 
+@pytest.fixture(params=["batched", "grouped"])
+def prefill(request, monkeypatch):
+    """Both prefills of the speculative engine: one batched pass, and a ragged batch's rows in groups
+    (`hf_accel.speculative.prefill`; with no pass overhead, every prompt length gets its own group)."""
+    from hf_accel.speculative import prefill as module
+
+    monkeypatch.setattr(module, "PASS_OVERHEAD_TOKENS", {"cpu": 0} if request.param == "grouped" else {})
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The embedded SmolLM2-135M-Instruct, loaded once for every test that needs the real model."""

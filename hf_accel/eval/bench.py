@@ -10,8 +10,11 @@ tokens (per-category figures are then estimates; the totals are exact); `tokens_
 including EOS) / wall time; `speedup` = tokens_per_s / vanilla's in the same run; `mean_accepted` = tokens produced
 per target forward pass after the prefill, per row, bonus token included (vanilla is 1 by construction; drafters
 report the engine's per-row histogram); `target_passes` = forward calls of the target, prefills included (at batch > 1
-a pass serves every active row, so the batch's slowest row sets this count); `identical` = every greedy output equals
-vanilla's token for token (None when sampling).
+a pass serves every active row, so the batch's slowest row sets this count); `prefill_seconds` = wall time of the
+prefills (the first forward call of each `generate` call; hf-accel's engine reports its own, which may be several
+passes: `speculative/prefill.py`); `decode_speedup` = tokens per second of the wall time after the prefills, against
+vanilla's (the prefill is the same work for every method but the engine's grouped one, and this ratio leaves it out);
+`identical` = every greedy output equals vanilla's token for token (None when sampling).
 """
 
 import time
@@ -30,6 +33,7 @@ class MethodRun:
 
     outputs: dict = field(default_factory=dict)  # question_id -> list[int] of generated tokens
     seconds: dict = field(default_factory=lambda: defaultdict(float))  # category -> wall time
+    prefill_seconds: dict = field(default_factory=lambda: defaultdict(float))  # category -> the prefills' part
     # category -> tokens committed by target passes after the prefill, and the (row, pass) pairs that made them
     accepted: dict = field(default_factory=lambda: defaultdict(float))
     row_passes: dict = field(default_factory=lambda: defaultdict(float))
@@ -38,17 +42,24 @@ class MethodRun:
 
 
 class _ForwardCounter:
-    """Counts forward calls of the target model (a forward hook; works for any decoding loop)."""
+    """Counts forward calls of the target model and times the first one since `calls` was reset, the prefill of a
+    decoding loop that prefills in one pass (forward hooks; works for any decoding loop)."""
 
     def __init__(self, model):
-        self.calls = 0
-        self._handle = model.register_forward_hook(self._hook)
+        self.calls, self.first_seconds, self._start = 0, 0.0, 0.0
+        self._handles = [model.register_forward_pre_hook(self._pre_hook), model.register_forward_hook(self._hook)]
+
+    def _pre_hook(self, *_):
+        self._start = time.perf_counter()
 
     def _hook(self, *_):
+        if self.calls == 0:
+            self.first_seconds = time.perf_counter() - self._start
         self.calls += 1
 
     def remove(self):
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
 def _trim(row: torch.Tensor, eos_ids: set[int], pad_id: int | None) -> list[int]:
@@ -146,8 +157,11 @@ def run_method(
             for p, row in zip(batch, rows):
                 run.outputs[p.question_id] = row
             accepted, row_passes = _acceptance(method, extra, rows, counter.calls)
+            stats = getattr(extra.get("drafter"), "last_stats", None)  # the engine may prefill in several passes
+            prefill = stats.prefill_time_s if stats is not None else counter.first_seconds
             for category, share in _shares(batch, rows).items():
                 run.seconds[category] += share * seconds
+                run.prefill_seconds[category] += share * prefill
                 run.accepted[category] += share * accepted
                 run.row_passes[category] += share * row_passes
                 run.target_passes[category] += share * counter.calls
@@ -187,16 +201,21 @@ def summarize(runs: dict[str, MethodRun], prompts: list[BenchPrompt], do_sample:
         tokens = sum(len(run.outputs[i]) for i in ids)
         seconds = sum(run.seconds[c] for c in cats)
         row_passes = sum(run.row_passes[c] for c in cats)
+        prefill = sum(run.prefill_seconds[c] for c in cats)
         out = {
             "tokens": tokens,
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "prefill_seconds": prefill,
             "mean_accepted": sum(run.accepted[c] for c in cats) / row_passes if row_passes else None,
             "target_passes": round(sum(run.target_passes[c] for c in cats)),
         }
         if vanilla is not None:
-            base = sum(len(vanilla.outputs[i]) for i in ids) / sum(vanilla.seconds[c] for c in cats)
-            out["speedup"] = out["tokens_per_s"] / base
+            base_tokens = sum(len(vanilla.outputs[i]) for i in ids)
+            out["speedup"] = out["tokens_per_s"] / (base_tokens / sum(vanilla.seconds[c] for c in cats))
+            base_decode = sum(vanilla.seconds[c] - vanilla.prefill_seconds[c] for c in cats)
+            decode = seconds - prefill
+            out["decode_speedup"] = (tokens / decode) / (base_tokens / base_decode) if decode and base_decode else None
         out["identical"] = (
             None if do_sample or vanilla is None else all(run.outputs[i] == vanilla.outputs[i] for i in ids)
         )

@@ -55,7 +55,9 @@ Rows accept different numbers of tokens. The cache stays rectangular: each pass 
 slots to every row and a per-row validity mask (`past_mask`) hides the unused ones ("holes"), exactly like left
 padding; once holes fill 1/8 of the cache, every row's valid slots are moved, in order, to its end
 ([`_close_holes`]). Position ids count only real tokens, so each row sees the same positions as in an unpadded run.
-Finished rows are removed from the batch (cache rows dropped) instead of being carried along as padding. A model that
+Finished rows are removed from the batch (cache rows dropped) instead of being carried along as padding. On a CPU a
+ragged batch is prefilled in groups of rows of similar prompt length, skipping most of the padding that `generate`'s
+one batched prefill computes, into the same left-padded cache ([`~hf_accel.speculative.prefill`]). A model that
 RoPEs *cached* keys at attention time (latent caches: CARE, Palu) cannot tell a slot's position from its index once
 there are holes; if it sets `_accepts_key_positions = True`, each pass also gets `key_positions`
 `[B, cache + new]`, the position of every slot (holes: any value, they are masked). CARE and Palu checkpoints
@@ -119,6 +121,7 @@ from ..compat import CACHE_NAME
 from ..kernels.cpu_linear import verification_layout
 from .acceptance import greedy_accept, gumbel_scores, match_draft_vocab, sample_accept_tree
 from .cache import refuse_filled_cache, select_cache_positions, select_cache_rows, validate_cache_for_speculation
+from .prefill import grouped_prefill, plan_prefill
 from .tree import (
     DraftTree,
     build_tree_attention_mask,
@@ -146,15 +149,17 @@ class SpeculativeStats:
     """Per-call statistics of a speculative `generate` call (also attached to the output as `.speculative_stats`).
 
     `accepted_histogram[k]` counts (row, verification pass) pairs that committed `k` tokens, *bonus included*;
-    `mean_accepted` is its mean (the tokens per target pass of one row). `target_forward_passes` includes the prefill.
+    `mean_accepted` is its mean (the tokens per target pass of one row). `target_forward_passes` includes the prefill
+    (one pass per row group where a ragged batch is prefilled in groups: [`~hf_accel.speculative.prefill`]).
     `drafter_time_s` is the time spent in the drafter's methods (`propose_prefill`, `propose` and `update`, where CP
-    heads and SpecFormer run their forward on the pass's hidden states); `verify_time_s` the verification passes
-    without it.
+    heads and SpecFormer run their forward on the pass's hidden states); `prefill_time_s` the prefill's passes (and
+    its cache assembly); `verify_time_s` the verification passes without the drafter's time.
     """
 
     target_forward_passes: int = 0
     accepted_histogram: Counter = field(default_factory=Counter)
     drafter_time_s: float = 0.0
+    prefill_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
     new_tokens: int = 0
@@ -171,6 +176,7 @@ class SpeculativeStats:
             "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_histogram.items())},
             "mean_accepted": self.mean_accepted,
             "drafter_time_s": self.drafter_time_s,
+            "prefill_time_s": self.prefill_time_s,
             "verify_time_s": self.verify_time_s,
             "total_time_s": self.total_time_s,
             "new_tokens": self.new_tokens,
@@ -587,14 +593,24 @@ class SpeculativeEngine:
         aux = self._propose_prefill(state)
         num_aux = aux.num_aux if aux is not None else 0
         keep = {"logits_to_keep": 1 + num_aux} if _takes_logits_to_keep(self.model) else {}
-        if num_aux:
-            inputs = self._prefill_inputs_with_aux(state, input_ids, position_ids, aux)
+        tic = time.perf_counter()
+        # a ragged batch on a CPU: rows of similar length prefilled in groups, skipping most of the padding
+        groups = None if num_aux else plan_prefill(self.model, attention_mask, position_ids, cache)
+        if groups is not None:
+            all_logits, all_hidden = grouped_prefill(
+                self._forward, groups, input_ids, attention_mask, position_ids, cache, self.hidden_layers, bool(keep)
+            )
         else:
-            inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        outputs = self._forward(cache, **inputs, **keep)
+            if num_aux:
+                inputs = self._prefill_inputs_with_aux(state, input_ids, position_ids, aux)
+            else:
+                inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            outputs = self._forward(cache, **inputs, **keep)
+            all_logits, all_hidden = outputs.logits, outputs.hidden_states
         if num_aux:  # the auxiliary inputs' entries are dropped, as after a verification pass
             select_cache_positions(cache, input_ids.shape[1], input_ids.new_zeros((input_ids.shape[0], 0)))
-        logits = outputs.logits[:, -1 - num_aux].float()  # the last prompt token's
+        self.stats.prefill_time_s = time.perf_counter() - tic
+        logits = all_logits[:, -1 - num_aux].float()  # the last prompt token's
         scores = _process_scores(self.logits_processor, input_ids, logits)
         tokens = self._pick(scores, state.rows, state.next_position)
         new_tokens, finished = self._commit(state, [[t] for t in tokens.tolist()])
@@ -603,8 +619,8 @@ class SpeculativeEngine:
         # real positions first)
         keep = torch.sort((state.prompt_mask == 0).to(torch.int8), dim=1, stable=True).indices
         keep = keep[:, : int(path_length.max())]
-        hidden = {i: _gather_nodes(outputs.hidden_states[i], keep) for i in self.hidden_layers}
-        aux_logits = outputs.logits[:, outputs.logits.shape[1] - num_aux :].float() if num_aux else None
+        hidden = {i: _gather_nodes(all_hidden[i], keep) for i in self.hidden_layers}
+        aux_logits = all_logits[:, all_logits.shape[1] - num_aux :].float() if num_aux else None
         result = VerifyResult(
             state.rows.clone(), new_tokens, torch.full_like(state.rows, -1), path_length, finished, hidden,
             aux_logits, is_prefill=True,

@@ -47,10 +47,12 @@ def test_summarize_speedup_and_identity_by_hand():
     prompts = [BenchPrompt("a", "x", ""), BenchPrompt("b", "y", "")]
     vanilla = MethodRun(outputs={"a": [1, 2, 3, 4], "b": [5, 6]})
     vanilla.seconds.update(x=2.0, y=1.0)
+    vanilla.prefill_seconds.update(x=0.5, y=0.25)
     vanilla.accepted.update(x=3, y=1)
     vanilla.row_passes.update(x=3, y=1)
     fast = MethodRun(outputs={"a": [1, 2, 3, 4], "b": [5, 7]})
     fast.seconds.update(x=1.0, y=1.0)
+    fast.prefill_seconds.update(x=0.25, y=0.5)
     fast.accepted.update(x=3, y=1)
     fast.row_passes.update(x=1, y=1)
     fast.target_passes.update(x=2, y=2)
@@ -61,11 +63,14 @@ def test_summarize_speedup_and_identity_by_hand():
         "tokens": 4,
         "seconds": 1.0,
         "tokens_per_s": 4.0,
+        "prefill_seconds": 0.25,
         "mean_accepted": 3.0,
         "target_passes": 2,
         "speedup": 2.0,
+        "decode_speedup": (4 / 0.75) / (4 / 1.5),
         "identical": True,
     }
+    assert out["fast"]["decode_speedup"] == pytest.approx((6 / 1.25) / (6 / 2.25))
     assert out["fast"]["per_category"]["y"]["identical"] is False
     assert out["fast"]["identical"] is False
     assert out["vanilla"]["mean_accepted"] == pytest.approx(1.0)
@@ -402,6 +407,8 @@ def test_a_tokenizer_without_a_pad_token_batches_prompts(tmp_path, has_eos):
     prompts = [BenchPrompt(str(i), "c", text) for i, text in enumerate(["abc", "hello there", "x"])]
     result = bench_generate(model, tokenizer, prompts, ["ngram"], batch_size=3, max_new_tokens=6)
     assert result["methods"]["ngram"]["identical"] is True
+    for figures in result["methods"].values():  # the first pass's time (vanilla), the engine's own (ngram)
+        assert 0 < figures["prefill_seconds"] < figures["seconds"]
     answers = self_distill(model, tokenizer, prompts, tmp_path, max_new_tokens=6, use_speculation=False)
     alone = [
         self_distill(model, tokenizer, [p], tmp_path / p.question_id, 6, use_speculation=False)[0] for p in prompts

@@ -87,7 +87,7 @@ def layout(request, monkeypatch):
 
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_greedy_identity_chain_and_tree(tiny_llama, tree, batch_size, layout):
+def test_greedy_identity_chain_and_tree(tiny_llama, tree, batch_size, layout, prefill):
     input_ids, attention_mask = _ragged_batch(batch_size)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 24, "do_sample": False}
     reference = tiny_llama.generate(**kwargs)
@@ -139,7 +139,7 @@ def test_a_drafters_update_counts_as_drafter_time(tiny_llama):
     assert stats.total_time_s >= stats.drafter_time_s + stats.verify_time_s and stats.verify_time_s > 0
 
 
-def test_eos_mid_draft_and_rows_finishing_at_different_times():
+def test_eos_mid_draft_and_rows_finishing_at_different_times(prefill):
     model = make_tiny_llama()
     input_ids, attention_mask = _ragged_batch(4, seed=3)
     free = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False)
@@ -193,7 +193,7 @@ def test_max_new_tokens_and_max_length_mid_draft(tiny_llama):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_random_trees_never_change_greedy_output(tiny_llama, data, layout):
+def test_random_trees_never_change_greedy_output(tiny_llama, data, layout, prefill):
     input_ids, attention_mask = _ragged_batch(data.draw(st.integers(1, 3)), seed=data.draw(st.integers(0, 5)))
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False}
     reference = tiny_llama.generate(**kwargs)
@@ -1261,7 +1261,7 @@ def test_drafts_deeper_than_the_budget_stay_inside_a_position_table(loop):
     assert torch.equal(out, reference)
 
 
-def test_given_position_ids_are_continued_as_by_generate():
+def test_given_position_ids_are_continued_as_by_generate(prefill):
     """`generate` continues the prompt's `position_ids` (one past the last); with learned positions (GPT-2) a decode
     that restarted at the count of real tokens gives other text."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -1322,7 +1322,7 @@ def test_hidden_states_and_best_node_follow_the_accepted_path(tiny_llama):
     assert max(len(r.new_tokens[0]) for r in drafter.results[1:]) > 2  # drafts were accepted past the wrong node
 
 
-def test_hidden_states_are_the_committed_positions_in_order_at_the_prefill_too(tiny_llama):
+def test_hidden_states_are_the_committed_positions_in_order_at_the_prefill_too(tiny_llama, prefill):
     """In a left-padded batch, every result (the prefill's included) hands back the committed positions in order,
     `path_length[b]` of them, padded on the right: `[b, path_length[b] - 1]` is the position whose logits chose the
     row's last token (what CP heads read), and the pieces joined are the target's states over the committed text

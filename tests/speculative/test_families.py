@@ -168,12 +168,12 @@ def _assert_speculation_equals_generate(model, family):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_speculation_equals_generate_on_every_family(family):
+def test_greedy_speculation_equals_generate_on_every_family(family, prefill):
     _assert_speculation_equals_generate(_build(FAMILIES[family]), family)
 
 
 @pytest.mark.parametrize("family", sorted(WINDOWED))
-def test_greedy_speculation_equals_generate_past_a_sliding_window(family):
+def test_greedy_speculation_equals_generate_past_a_sliding_window(family, prefill):
     """Random trees leave holes between rows' cache slots, so a window over slot indices would differ here."""
     _assert_speculation_equals_generate(_build(WINDOWED[family]), family)
 
