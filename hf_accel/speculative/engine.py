@@ -119,6 +119,7 @@ from transformers.generation import (
 
 from ..compat import CACHE_NAME
 from ..kernels.cpu_linear import verification_layout
+from ..kernels.gqa_attention import packed_gqa_attention
 from .acceptance import greedy_accept, gumbel_scores, match_draft_vocab, sample_accept_tree
 from .cache import refuse_filled_cache, select_cache_positions, select_cache_rows, validate_cache_for_speculation
 from .prefill import grouped_prefill, plan_prefill
@@ -556,7 +557,7 @@ class SpeculativeEngine:
         # where `True` held every layer's states over the whole pass (a long prefill's largest allocation); a model
         # that records every layer regardless reads the list as `True`.
         hidden = list(self.hidden_layers) if self.hidden_layers else False
-        with self.linear_layout:
+        with self.linear_layout, packed_gqa_attention():
             outputs = self.model(
                 **{CACHE_NAME: cache}, use_cache=True, output_hidden_states=hidden, return_dict=True, **inputs
             )

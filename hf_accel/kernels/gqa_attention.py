@@ -1,0 +1,81 @@
+"""SDPA for grouped-query attention over a few masked queries, without copying the cache once per query head.
+
+transformers' `sdpa` attention serves grouped-query attention (fewer KV heads than query heads) in one of three ways:
+`enable_gqa` where the device's kernels take it with the mask given, the query heads packed onto their KV head for a
+single query token (`pack_gqa`), and otherwise `repeat_kv`, which copies the layer's whole cached keys and values once
+per query head of their group. A verification pass has several queries and a 4D tree mask, so it took the copy: on the
+default model (3 KV heads, 3 query heads each) at batch 8 with about 350 cached tokens, 2 × 6.5 MB per layer and pass.
+
+[`packed_gqa_sdpa`] packs several queries too: the `q` queries of the `n_rep` heads that share a KV head become
+`n_rep · q` queries of that head, with the mask's rows repeated alike (one mask serves every head), and the output is
+unpacked. Each query meets the same keys, mask row and scale, so the scores and softmax are the same per query; only
+the kernel's blocking may round differently. [`packed_gqa_attention`] installs it as `sdpa` while the engine's passes
+run; plain `generate` is untouched. On 2 cores of this project's CPU, batch-8 passes over 2 and 4 tokens per row
+took 86 and 117 ms with it against 111 and 148 ms without (HumanEval batch 2, median of 40 and 20 passes).
+"""
+
+import contextlib
+import threading
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+MAX_PACKED_QUERIES = 128  # more queries (a prefill) keep the copy: the repeated mask would outgrow it
+_UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks", "output_attentions")  # the fallback's to refuse or add
+
+_LOCK = threading.Lock()
+_INSTALLED = {"count": 0, "saved": None}
+
+
+def packed_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, *, fallback,
+                    **kwargs):  # fmt: skip
+    """transformers' attention-function signature: `query` `[B, H, q, d]`, `key` / `value` `[B, H_kv, S, d]`,
+    `attention_mask` `[B, 1, q, S]`; returns `([B, q, H, d], None)`. Calls `fallback` (the `sdpa` function it
+    replaces) for anything else: one query, no KV groups, a per-head or missing mask, dropout, more than
+    [`MAX_PACKED_QUERIES`] queries, or options the packing does not handle."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, queries, _ = query.shape
+    if (
+        groups == 1
+        or not 1 < queries <= MAX_PACKED_QUERIES
+        or attention_mask is None
+        or attention_mask.dim() != 4
+        or attention_mask.shape[1] != 1
+        or dropout
+        or any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _UNSUPPORTED)
+    ):
+        return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)  # fmt: skip
+    # head h = kv_head · groups + r reads KV head h // groups (`repeat_kv`'s order); packed row r · q + i is head r's
+    # query i, whose mask row is i
+    packed = query.reshape(batch, heads // groups, groups * queries, query.shape[-1])
+    mask = attention_mask.expand(batch, 1, queries, attention_mask.shape[-1]).repeat(1, 1, groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, queries, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def packed_gqa_attention():
+    """While entered (by any thread; entries may nest), transformers' `sdpa` attention runs as [`packed_gqa_sdpa`]
+    around whatever `sdpa` function was registered; the registration is restored when the last entry exits."""
+    with _LOCK:
+        if _INSTALLED["count"] == 0:
+            local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {})
+            _INSTALLED["saved"] = (("sdpa" in local), local.get("sdpa"))
+            fallback = ALL_ATTENTION_FUNCTIONS["sdpa"]
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = lambda *args, **kwargs: packed_gqa_sdpa(
+                *args, fallback=fallback, **kwargs
+            )
+        _INSTALLED["count"] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _INSTALLED["count"] -= 1
+            if _INSTALLED["count"] == 0:
+                had_local, previous = _INSTALLED["saved"]
+                if had_local:
+                    ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
+                else:
+                    del ALL_ATTENTION_FUNCTIONS["sdpa"]
