@@ -1,14 +1,16 @@
 """Measures what one target forward pass over `n` new tokens costs, relative to one token: the curve that bounds
 speculative decoding (speedup ≤ tokens per pass ÷ relative cost of the pass).
 
-Each point: a fresh cache filled with a `--context`-token prefill, then one timed pass over `n` tokens (all logits, as
-in a verification pass); median of `--repeats` after two warm-up runs. `ms` is the pass as plain `generate` runs it;
-`engine_ms`, as the speculative engine runs it, in the GEMM layout measured faster here
-(`hf_accel.kernels.cpu_linear`; the same as `ms` where that layout is the default one). The two alternate, so load
-on the machine falls on both alike.
+Each point: a fresh cache filled with a `--context`-token prefill of `--batch-size` rows, then one timed pass over `n`
+tokens per row (all logits, as in a verification pass); median of `--repeats` after two warm-up runs. `ms` is the
+pass as plain `generate` runs it; `engine_ms`, as the speculative engine runs it: in the GEMM layout measured faster
+here (`hf_accel.kernels.cpu_linear`) and with grouped-query attention packed instead of copied per head for `n > 1`
+(`hf_accel.kernels.gqa_attention`); the same as `ms` at `n = 1` where that layout is the default one. The two
+alternate, so load on the machine falls on both alike.
 
 Example:
     python scripts/pass_cost.py --json
+    python scripts/pass_cost.py --batch-size 8 --tokens 1 2 3 4 --json
 """
 
 import contextlib
@@ -27,29 +29,32 @@ def main(argv=None) -> int:
     from transformers import DynamicCache
 
     from hf_accel.kernels.cpu_linear import verification_layout
+    from hf_accel.kernels.gqa_attention import packed_gqa_attention
     from hf_accel.loading import load_model_and_tokenizer
 
     p = OneLineErrorParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--context", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if min(args.tokens) < 1 or args.context < 1 or args.repeats < 1:
+    if min(args.tokens) < 1 or args.context < 1 or args.repeats < 1 or args.batch_size < 1:
         p.error(
-            f"--tokens, --context and --repeats must be at least 1, got {args.tokens}, {args.context}, {args.repeats}"
+            "--tokens, --context, --repeats and --batch-size must be at least 1, got "
+            f"{args.tokens}, {args.context}, {args.repeats}, {args.batch_size}"
         )
     args.tokens = sorted({1, *args.tokens})  # ratios are relative to one token
 
     model, _ = load_model_and_tokenizer(args.model)
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    prefix = torch.randint(0, vocab, (1, args.context), generator=generator)
+    prefix = torch.randint(0, vocab, (args.batch_size, args.context), generator=generator)
     ms, engine_ms, head_ms = {}, {}, {}
     head = model.get_output_embeddings()
     engine_layout = verification_layout(model)
-    layouts = {"plain": contextlib.nullcontext(), "engine": engine_layout or contextlib.nullcontext()}
+    layouts = {"plain": contextlib.nullcontext, "engine": lambda: _both(engine_layout, packed_gqa_attention())}
     with torch.no_grad():
         for n in args.tokens:
             times = {name: [] for name in layouts}
@@ -57,14 +62,14 @@ def main(argv=None) -> int:
                 for name, layout in layouts.items():
                     cache = DynamicCache(config=model.config)
                     model(input_ids=prefix, **{CACHE_NAME: cache}, use_cache=True)
-                    new = torch.randint(0, vocab, (1, n), generator=generator)
-                    with layout:
+                    new = torch.randint(0, vocab, (args.batch_size, n), generator=generator)
+                    with layout():
                         start = time.perf_counter()
                         model(input_ids=new, **{CACHE_NAME: cache}, use_cache=True)
                         times[name].append(time.perf_counter() - start)
             ms[n] = 1000 * statistics.median(times["plain"][2:])
             engine_ms[n] = 1000 * statistics.median(times["engine"][2:])
-            hidden = torch.randn(1, n, model.config.hidden_size, generator=generator)
+            hidden = torch.randn(args.batch_size, n, model.config.hidden_size, generator=generator)
             times = []
             for _ in range(args.repeats + 2):
                 start = time.perf_counter()
@@ -74,6 +79,7 @@ def main(argv=None) -> int:
     result = {
         "model": args.model,
         "context": args.context,
+        "batch_size": args.batch_size,
         "threads": torch.get_num_threads(),
         "ms": {str(n): round(v, 1) for n, v in ms.items()},
         "relative": {str(n): round(v / ms[1], 2) for n, v in ms.items()},
@@ -91,6 +97,12 @@ def main(argv=None) -> int:
                 f"({engine_ms[n] / ms[1]:.2f}x), output projection {head_ms[n]:.1f} ms"
             )
     return 0
+
+
+@contextlib.contextmanager
+def _both(layout, attention):
+    with layout or contextlib.nullcontext(), attention:
+        yield
 
 
 if __name__ == "__main__":

@@ -104,6 +104,21 @@ GENERATION_TABLES = {
         "v10",
         ["he_b1_greedy", "he_b1_greedy_run2", "chat_b1_greedy", "he_b8_greedy", "chat_b8_greedy"],
     ),
+    # session 27: the grouped prefill and packed grouped-query attention
+    "method (session 27)": (
+        "v11",
+        [
+            "he_b8_greedy",
+            "chat_b8_greedy",
+            "he_b1_greedy",
+            "chat_b1_greedy",
+            "he_b8_greedy_run2",
+            "he_b8_t07",
+            "chat_b8_t07",
+            "chat_b1_t07",
+            "he_b1_t07",
+        ],
+    ),
 }
 
 
@@ -133,4 +148,29 @@ def test_each_generation_table_gives_its_json_records_figures(method_column):
                 )
             )
     got = [(int(r[1]), *(_numbers(c)[0] for c in r[4:8]), r[8]) for r in _table(header)]
+    assert got == expected
+
+
+def test_the_session_27_time_split_gives_its_json_records_figures():
+    """Issue 6, session 27: each run's wall time, prefill time and speedup after the prefill, with the GEMM layout's
+    row counts of its process, in the order of the runs (the control after the greedy ones)."""
+    runs = ["he_b8_greedy", "chat_b8_greedy", "he_b1_greedy", "chat_b1_greedy", "he_b8_greedy_run2",
+            "he_b8_greedy_no_gqa_packing", "he_b8_t07", "chat_b8_t07", "chat_b1_t07", "he_b1_t07"]  # fmt: skip
+    expected = []
+    for run in runs:
+        record = json.loads((ROOT / "docs" / "speculative" / f"v11_{run}.json").read_text())
+        for figures in record["methods"].values():
+            expected.append(
+                (
+                    record["batch_size"],
+                    round(figures["seconds"], 1),
+                    round(figures["prefill_seconds"], 1),
+                    round(figures["decode_speedup"], 2),
+                    record["engine_linear_layout_rows"],
+                )
+            )
+    rows = _table(
+        "| prompts | batch | decoding | method (session 27) | seconds | prefill s | decode speedup | layout rows |"
+    )
+    got = [(int(r[1]), *(_numbers(c)[0] for c in r[4:7]), [int(n) for n in _numbers(r[7])]) for r in rows]
     assert got == expected

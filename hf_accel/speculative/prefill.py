@@ -3,8 +3,10 @@
 `generate` prefills left-padded prompts in one pass over `batch × longest prompt` tokens, so in a ragged batch the
 padding is computed too (39 % of the tokens of HumanEval 101–164 in batches of 8, 44 % of `chat_heldout_26`'s). On a
 CPU a pass costs about its tokens plus a fixed share, the weights streamed once: on 2 cores of this project's machine,
-the default model took 59 ms for 8 tokens, 200 ms for 128 and 363 ms for 256 at batch 1, 1.28 s for 8 × 128, so the
-fixed share is worth about 32 tokens ([`PASS_OVERHEAD_TOKENS`]). The engine therefore splits a ragged batch into the
+passes of the default model over 8, 32, 128 and 256 tokens took 62, 98, 242 and 450 ms (`python scripts/pass_cost.py
+--context 1 --tokens 8 32 128 256 --repeats 3 --json`), of which the output projection over every token, which a
+prefill runs for the last one only, took 12, 20, 50 and 99 ms: about 40 ms plus 1.2 ms per token, so the fixed share is
+worth about 32 tokens ([`PASS_OVERHEAD_TOKENS`]). The engine therefore splits a ragged batch into the
 groups that minimise `Σ (overhead + rows × longest prompt)` ([`prefill_groups`]), prefills each group over its own
 longest prompt (its columns of the left-padded batch), and writes the groups' cache entries into one left-padded cache:
 the same slots, mask and positions as one batched prefill, so nothing after the prefill changes. On a GPU a pass

@@ -1,5 +1,6 @@
 """The speculative-decoding scripts of `scripts/` (pass cost, time split, offline simulation) on tiny inputs."""
 
+import contextlib
 import json
 import runpy
 from pathlib import Path
@@ -27,7 +28,9 @@ def tiny_loaded(monkeypatch):
     )
 
 
-@pytest.mark.parametrize("bad", [["--tokens", "0"], ["--tokens", "2", "-1"], ["--context", "0"], ["--repeats", "0"]])
+@pytest.mark.parametrize(
+    "bad", [["--tokens", "0"], ["--tokens", "2", "-1"], ["--context", "0"], ["--repeats", "0"], ["--batch-size", "0"]]
+)
 def test_pass_cost_refuses_sizes_below_one(tiny_loaded, capsys, bad):
     with pytest.raises(SystemExit) as exit_info:
         run_script("pass_cost.py")["main"](bad)
@@ -36,30 +39,12 @@ def test_pass_cost_refuses_sizes_below_one(tiny_loaded, capsys, bad):
 
 def test_pass_cost_json_holds_the_printed_ratios(tiny_loaded, capsys):
     main = run_script("pass_cost.py")["main"]
-    assert main(["--tokens", "4", "2", "--context", "8", "--repeats", "1", "--json"]) == 0
+    assert main(["--tokens", "4", "2", "--context", "8", "--repeats", "1", "--batch-size", "3", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert list(report["ms"]) == list(report["relative"]) == list(report["head_ms"]) == ["1", "2", "4"]
-    assert report["relative"]["1"] == 1.0 and report["context"] == 8
+    assert report["relative"]["1"] == 1.0 and report["context"] == 8 and report["batch_size"] == 3
     assert list(report["engine_ms"]) == list(report["engine_relative"]) == ["1", "2", "4"]
     assert set(report["engine_layout_rows"]) <= {2, 4, 8, 16, 32}
-
-
-@pytest.mark.parametrize("layout", ["plain", "transposed"])
-def test_the_layout_probe_forces_the_engines_layout(tiny_loaded, capsys, monkeypatch, layout):
-    from hf_accel.kernels import cpu_linear
-    from hf_accel.kernels.cpu_linear import ROW_GRID
-    from hf_accel.speculative import engine
-
-    monkeypatch.setattr(engine, "verification_layout", engine.verification_layout)  # restored after the test
-    monkeypatch.setattr(cpu_linear, "verification_layout", cpu_linear.verification_layout)
-    main = run_script("probe_linear_layout.py")["main"]
-    assert main(["sideways", "scripts/pass_cost.py"]) == 2 and "usage" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_info:  # the script's own `sys.exit(main())`
-        main([layout, str(SCRIPTS / "pass_cost.py"), "--tokens", "2", "--context", "8", "--repeats", "1"])
-    assert exit_info.value.code == 0 and "in the engine's layout" in capsys.readouterr().out
-    chosen = engine.verification_layout(make_tiny_llama())
-    assert (chosen is None) if layout == "plain" else (chosen.row_counts == set(ROW_GRID))
-    assert cpu_linear.verification_layout is engine.verification_layout
 
 
 def simulation_inputs(tmp_path, count: int = 4) -> list[str]:
@@ -304,3 +289,37 @@ def test_probe_half_precision_flips_ignores_the_padding_after_a_rows_eos(monkeyp
     report = json.loads(capsys.readouterr().out)
     assert report["flips"] == [{"question_id": "t1", "new_token": 2, "top2_gap": 1.0}]
     assert report["reference_tokens"] == 2 + 6
+
+
+@pytest.mark.parametrize(
+    "parts",
+    ["plain-layout", "transposed-layout", "no-gqa-packing", "no-grouped-prefill", "transposed-layout,no-gqa-packing"],
+)
+def test_the_engine_parts_probe_forces_each_part(tiny_loaded, capsys, monkeypatch, parts):
+    from hf_accel.kernels import cpu_linear, gqa_attention
+    from hf_accel.kernels.cpu_linear import ROW_GRID
+    from hf_accel.speculative import engine, prefill
+
+    for module, name in [(engine, "verification_layout"), (cpu_linear, "verification_layout"),
+                         (engine, "packed_gqa_attention"), (gqa_attention, "packed_gqa_attention"),
+                         (prefill, "PASS_OVERHEAD_TOKENS")]:  # fmt: skip
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    measured = engine.verification_layout
+    main = run_script("probe_engine_parts.py")["main"]
+    for bad in ("sideways", "plain-layout,transposed-layout"):
+        assert main([bad, "scripts/pass_cost.py"]) == 2 and "usage" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # the script's own `sys.exit(main())`
+        main([parts, str(SCRIPTS / "pass_cost.py"), "--tokens", "2", "--context", "8", "--repeats", "1"])
+    assert exit_info.value.code == 0 and "in the engine's layout" in capsys.readouterr().out
+    parts = parts.split(",")
+    assert cpu_linear.verification_layout is engine.verification_layout
+    chosen = engine.verification_layout(make_tiny_llama())
+    if "plain-layout" in parts:
+        assert chosen is None
+    elif "transposed-layout" in parts:
+        assert chosen.row_counts == set(ROW_GRID)
+    else:
+        assert engine.verification_layout is measured
+    packing = engine.packed_gqa_attention is gqa_attention.packed_gqa_attention is contextlib.nullcontext
+    assert packing == ("no-gqa-packing" in parts)
+    assert prefill.PASS_OVERHEAD_TOKENS == ({} if "no-grouped-prefill" in parts else {"cpu": 32})

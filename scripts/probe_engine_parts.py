@@ -1,0 +1,73 @@
+"""Probe: runs an hf-accel command or script with parts of the speculative engine's CPU savings forced on or off, to
+show what each contributes to a speedup. Vanilla `generate` is never affected.
+
+Parts (several, comma-separated):
+- `plain-layout`: every pass in `x·Wᵀ`, as before the engine measured GEMM layouts (and as plain `generate` runs);
+  `transposed-layout`: every pass of 2-32 rows in `(W·xᵀ)ᵀ`, whatever the measurement says
+  (`hf_accel.kernels.cpu_linear`).
+- `no-gqa-packing`: verification passes copy the cached keys and values once per query head, as transformers' `sdpa`
+  attention does for several masked queries (`hf_accel.kernels.gqa_attention`).
+- `no-grouped-prefill`: a ragged batch is prefilled in one batched pass over its padding, as `generate` does
+  (`hf_accel.speculative.prefill`).
+
+Usage:
+    python scripts/probe_engine_parts.py plain-layout hf-accel bench generate --prompts humaneval --offset 100 \\
+        --limit 64 --methods vanilla,ngram:hf_accel/data/indexes/smollm2-135m-code-build --json
+    python scripts/probe_engine_parts.py transposed-layout,no-gqa-packing scripts/pass_cost.py --batch-size 8 --json
+"""
+
+import contextlib
+import runpy
+import sys
+
+from hf_accel.kernels import cpu_linear, gqa_attention
+from hf_accel.speculative import engine, prefill
+
+
+def _layout(choose):
+    def force():
+        engine.verification_layout = choose  # the engine looks it up when each call starts
+        cpu_linear.verification_layout = choose  # scripts/pass_cost.py imports it from here
+
+    return force
+
+
+def _no_gqa_packing():
+    engine.packed_gqa_attention = contextlib.nullcontext  # the engine enters it around every pass
+    gqa_attention.packed_gqa_attention = contextlib.nullcontext  # scripts/pass_cost.py imports it from here
+
+
+def _no_grouped_prefill():
+    prefill.PASS_OVERHEAD_TOKENS = {}  # no device has a measured pass overhead: one batched prefill
+
+
+PARTS = {
+    "plain-layout": _layout(lambda model: None),
+    "transposed-layout": _layout(lambda model: cpu_linear.TransposedLinear(model, cpu_linear.ROW_GRID)),
+    "no-gqa-packing": _no_gqa_packing,
+    "no-grouped-prefill": _no_grouped_prefill,
+}
+
+
+def main(argv: list[str]) -> int:
+    parts = argv[0].split(",") if argv else []
+    if len(argv) < 2 or not set(parts) <= set(PARTS) or {"plain-layout", "transposed-layout"} <= set(parts):
+        print(
+            f"usage: probe_engine_parts.py PART[,PART...] (hf-accel ARGS... | SCRIPT.py ARGS...); parts: "
+            f"{', '.join(PARTS)} (one layout at most)",
+            file=sys.stderr,
+        )
+        return 2
+    for part in parts:
+        PARTS[part]()
+    if argv[1] == "hf-accel":
+        from hf_accel.cli import main as cli_main
+
+        return cli_main(argv[2:])
+    sys.argv = argv[1:]
+    runpy.run_path(argv[1], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
