@@ -122,31 +122,35 @@ GENERATION_TABLES = {
 }
 
 
+def _records_figures(prefix: str, runs: list[str], pick) -> list[tuple]:
+    """`pick(record, figures)` for every method of every run's JSON record under docs/speculative/, in order."""
+    picked = []
+    for run in runs:
+        record = json.loads((ROOT / "docs" / "speculative" / f"{prefix}_{run}.json").read_text())
+        assert all(method.split(":")[0] in ("vanilla", "pld", "ngram") for method in record["methods"])
+        picked += [pick(record, figures) for figures in record["methods"].values()]
+    return picked
+
+
 @pytest.mark.parametrize("method_column", list(GENERATION_TABLES))
 def test_each_generation_table_gives_its_json_records_figures(method_column):
     """Each issue-6 table of batch, tokens/s, speedup, tokens per pass, target passes and identity holds the
     figures of the JSON records it cites, every method of every run, in order."""
-    prefix, runs = GENERATION_TABLES[method_column]
     header = (
         f"| prompts | batch | decoding | {method_column} | tokens/s | speedup | tokens per pass | target passes "
         "| identical |"
     )
-    expected = []
-    for run in runs:
-        record = json.loads((ROOT / "docs" / "speculative" / f"{prefix}_{run}.json").read_text())
-        for method, figures in record["methods"].items():
-            assert method.split(":")[0] in ("vanilla", "pld", "ngram")
-            identical = {None: "–", True: "yes", False: "no"}[figures["identical"]]
-            expected.append(
-                (
-                    record["batch_size"],
-                    round(figures["tokens_per_s"], 1),
-                    round(figures["speedup"], 2),
-                    round(figures["mean_accepted"], 2),
-                    figures["target_passes"],
-                    identical,
-                )
-            )
+    expected = _records_figures(
+        *GENERATION_TABLES[method_column],
+        lambda record, figures: (
+            record["batch_size"],
+            round(figures["tokens_per_s"], 1),
+            round(figures["speedup"], 2),
+            round(figures["mean_accepted"], 2),
+            figures["target_passes"],
+            {None: "–", True: "yes", False: "no"}[figures["identical"]],
+        ),
+    )
     got = [(int(r[1]), *(_numbers(c)[0] for c in r[4:8]), r[8]) for r in _table(header)]
     assert got == expected
 
@@ -156,19 +160,17 @@ def test_the_session_27_time_split_gives_its_json_records_figures():
     row counts of its process, in the order of the runs (the control after the greedy ones)."""
     runs = ["he_b8_greedy", "chat_b8_greedy", "he_b1_greedy", "chat_b1_greedy", "he_b8_greedy_run2",
             "he_b8_greedy_no_gqa_packing", "he_b8_t07", "chat_b8_t07", "chat_b1_t07", "he_b1_t07"]  # fmt: skip
-    expected = []
-    for run in runs:
-        record = json.loads((ROOT / "docs" / "speculative" / f"v11_{run}.json").read_text())
-        for figures in record["methods"].values():
-            expected.append(
-                (
-                    record["batch_size"],
-                    round(figures["seconds"], 1),
-                    round(figures["prefill_seconds"], 1),
-                    round(figures["decode_speedup"], 2),
-                    record["engine_linear_layout_rows"],
-                )
-            )
+    expected = _records_figures(
+        "v11",
+        runs,
+        lambda record, figures: (
+            record["batch_size"],
+            round(figures["seconds"], 1),
+            round(figures["prefill_seconds"], 1),
+            round(figures["decode_speedup"], 2),
+            record["engine_linear_layout_rows"],
+        ),
+    )
     rows = _table(
         "| prompts | batch | decoding | method (session 27) | seconds | prefill s | decode speedup | layout rows |"
     )
