@@ -11,9 +11,10 @@ including EOS) / wall time; `speedup` = tokens_per_s / vanilla's in the same run
 per target forward pass after the prefill, per row, bonus token included (vanilla is 1 by construction; drafters
 report the engine's per-row histogram); `target_passes` = forward calls of the target, prefills included (at batch > 1
 a pass serves every active row, so the batch's slowest row sets this count); `prefill_seconds` = wall time of the
-prefills (the first forward call of each `generate` call; hf-accel's engine reports its own, which may be several
-passes: `speculative/prefill.py`); `decode_speedup` = tokens per second of the wall time after the prefills, against
-vanilla's (the prefill is the same work for every method but the engine's grouped one, and this ratio leaves it out);
+prefills (the first forward call of each `generate` call, which for `pld`, transformers' assisted loop, also verifies
+its first draft; hf-accel's engine reports its own, which may be several passes: `speculative/prefill.py`);
+`decode_speedup` = tokens per second of the wall time after the prefills, against vanilla's (it leaves out the engine's
+grouped prefill, which computes less padding than `generate`'s);
 `identical` = every greedy output equals vanilla's token for token (None when sampling).
 """
 

@@ -10,16 +10,18 @@ default model (3 KV heads, 3 query heads each) at batch 8 with about 350 cached 
 `n_rep · q` queries of that head, with the mask's rows repeated alike (one mask serves every head), and the output is
 unpacked. Each query meets the same keys, mask row and scale, so the scores and softmax are the same per query; only
 the kernel's blocking may round differently. [`packed_gqa_attention`] installs it as `sdpa` while the engine's passes
-run; plain `generate` is untouched. On 2 cores of this project's CPU, batch-8 passes over 300 cached tokens and 2, 3
+run, for the thread running them: plain `generate`, in that thread or another, is untouched. On 2 cores of this project's CPU, batch-8 passes over 300 cached tokens and 2, 3
 and 4 tokens per row took 81.8, 109.5 and 116.8 ms with it against 94.9, 118.2 and 125.5 ms without (`python
 scripts/probe_engine_parts.py transposed-layout[,no-gqa-packing] scripts/pass_cost.py --batch-size 8 --tokens 1 2 3 4
 --repeats 5 --json`).
 """
 
 import contextlib
+import functools
 import threading
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
@@ -27,7 +29,8 @@ MAX_PACKED_QUERIES = 128  # more queries (a prefill) keep the copy: the repeated
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks", "output_attentions")  # the fallback's to refuse or add
 
 _LOCK = threading.Lock()
-_INSTALLED = {"count": 0, "saved": None}
+_INSTALLED = {"count": 0, "saved": None}  # open entries; (had a local entry, that entry, the wrapper) once installed
+_THREAD = threading.local()  # `depth`: the entries open in this thread
 
 
 def packed_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, *, fallback,
@@ -57,27 +60,39 @@ def packed_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scal
     return out.reshape(batch, heads, queries, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def _packing(*args, fallback, **kwargs):
+    """The `sdpa` function while installed: packed in threads inside an engine pass, `fallback` in any other."""
+    if getattr(_THREAD, "depth", 0):
+        return packed_gqa_sdpa(*args, fallback=fallback, **kwargs)
+    return fallback(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def packed_gqa_attention():
-    """While entered (by any thread; entries may nest), transformers' `sdpa` attention runs as [`packed_gqa_sdpa`]
-    around whatever `sdpa` function was registered; the registration is restored when the last entry exits."""
+    """While entered, transformers' own `sdpa` attention runs as [`packed_gqa_sdpa`] in the entering thread; other
+    threads' calls go to it unchanged. Entries may nest and come from several threads: the registration is made by the
+    first and restored by the last. A user's own registered `sdpa` function is left alone (it is never bypassed), and
+    one registered while an entry is open is kept."""
     with _LOCK:
         if _INSTALLED["count"] == 0:
             local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {})
-            _INSTALLED["saved"] = (("sdpa" in local), local.get("sdpa"))
-            fallback = ALL_ATTENTION_FUNCTIONS["sdpa"]
-            ALL_ATTENTION_FUNCTIONS["sdpa"] = lambda *args, **kwargs: packed_gqa_sdpa(
-                *args, fallback=fallback, **kwargs
-            )
+            _INSTALLED["saved"] = None
+            if ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward:
+                wrapper = functools.partial(_packing, fallback=sdpa_attention_forward)
+                _INSTALLED["saved"] = ("sdpa" in local, local.get("sdpa"), wrapper)
+                ALL_ATTENTION_FUNCTIONS["sdpa"] = wrapper
         _INSTALLED["count"] += 1
+    _THREAD.depth = getattr(_THREAD, "depth", 0) + 1
     try:
         yield
     finally:
+        _THREAD.depth -= 1
         with _LOCK:
             _INSTALLED["count"] -= 1
-            if _INSTALLED["count"] == 0:
-                had_local, previous = _INSTALLED["saved"]
-                if had_local:
-                    ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
+            saved = _INSTALLED["saved"]
+            local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {})
+            if _INSTALLED["count"] == 0 and saved is not None and local.get("sdpa") is saved[2]:
+                if saved[0]:
+                    ALL_ATTENTION_FUNCTIONS["sdpa"] = saved[1]
                 else:
                     del ALL_ATTENTION_FUNCTIONS["sdpa"]

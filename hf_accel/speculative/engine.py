@@ -511,6 +511,9 @@ class SpeculativeEngine:
         self.hidden_layers = tuple(getattr(drafter, "requires_hidden_states", ()) or ())
         self.window, self.mask_per_layer_type = attention_window(model.config)
         self.positions_from_slots = infers_positions_from_slots(model)
+        # RoPE whose frequencies follow a pass's largest position (dynamic NTK, longrope): a group of short prompts
+        # prefilled alone would be rotated otherwise than in the batch's one prefill
+        self.rope_follows_pass = any(kind == "longrope" or "dynamic" in str(kind) for _, _, kind in _rope_types(model))
         # the GEMM layout of multi-row passes, measured on this machine (`hf_accel.kernels.cpu_linear`)
         self.linear_layout = verification_layout(model) or contextlib.nullcontext()
         self.stats = SpeculativeStats()
@@ -596,7 +599,8 @@ class SpeculativeEngine:
         keep = {"logits_to_keep": 1 + num_aux} if _takes_logits_to_keep(self.model) else {}
         tic = time.perf_counter()
         # a ragged batch on a CPU: rows of similar length prefilled in groups, skipping most of the padding
-        groups = None if num_aux else plan_prefill(self.model, attention_mask, position_ids, cache)
+        grouped = not num_aux and not self.rope_follows_pass
+        groups = plan_prefill(self.model, attention_mask, position_ids, cache) if grouped else None
         if groups is not None:
             all_logits, all_hidden = grouped_prefill(
                 self._forward, groups, input_ids, attention_mask, position_ids, cache, self.hidden_layers, bool(keep)

@@ -12,8 +12,10 @@ longest prompt (its columns of the left-padded batch), and writes the groups' ca
 the same slots, mask and positions as one batched prefill, so nothing after the prefill changes. On a GPU a pass
 over a few thousand tokens costs about as much as one token, so padding is nearly free there: one pass, as before.
 
-Only a plain `DynamicCache` is assembled this way (its layers hold `keys` / `values` alone); any other cache class
-(CARE and Palu latents, quantized caches) gets the one batched prefill.
+Only a plain `DynamicCache` is assembled this way (its layers hold `keys` / `values` alone: standard models, and CARE
+and float-latent Palu checkpoints, whose latents sit in such layers); any other cache class (a quantized Palu cache)
+gets the one batched prefill. So do models whose RoPE frequencies follow a pass's largest position (dynamic NTK,
+longrope: a group of short prompts would be rotated otherwise than in the batch's one pass; the engine decides that).
 """
 
 import torch

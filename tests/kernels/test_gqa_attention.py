@@ -1,5 +1,7 @@
 """Packed grouped-query SDPA: transformers' `sdpa` attention's output, without `repeat_kv`, only where it applies."""
 
+import threading
+
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -77,7 +79,7 @@ def test_the_registration_is_restored_after_the_last_entry_even_on_error():
     assert gqa_attention._INSTALLED["count"] == 0
 
 
-def test_a_users_own_sdpa_function_is_wrapped_and_put_back():
+def test_a_users_own_sdpa_function_is_never_bypassed():
     calls = []
 
     def mine(*args, **kwargs):
@@ -87,12 +89,53 @@ def test_a_users_own_sdpa_function_is_wrapped_and_put_back():
     ALL_ATTENTION_FUNCTIONS["sdpa"] = mine
     try:
         with packed_gqa_attention():
-            query, key, value, mask = _inputs(queries=1)
-            ALL_ATTENTION_FUNCTIONS["sdpa"](_Module(3), query, key, value, mask)  # one query: the user's function
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is mine
+            query, key, value, mask = _inputs(queries=4)  # what would be packed
+            ALL_ATTENTION_FUNCTIONS["sdpa"](_Module(3), query, key, value, mask)
         assert calls == [query.shape] and ALL_ATTENTION_FUNCTIONS["sdpa"] is mine
     finally:
         del ALL_ATTENTION_FUNCTIONS["sdpa"]
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
+def test_a_registration_made_while_a_pass_runs_is_kept():
+    def mine(*args, **kwargs):
+        return sdpa_attention_forward(*args, **kwargs)
+
+    try:
+        with packed_gqa_attention():
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = mine
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is mine
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def test_only_the_thread_inside_an_engine_pass_packs(monkeypatch):
+    """Another thread's model meanwhile runs transformers' own `sdpa`, untouched."""
+    packed = []
+
+    def counting(*args, **kwargs):
+        packed.append(threading.get_ident())
+        return packed_gqa_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(gqa_attention, "packed_gqa_sdpa", counting)
+    query, key, value, mask = _inputs(queries=4)
+    inside, done = threading.Event(), threading.Event()
+
+    def engine_pass():
+        with packed_gqa_attention():
+            ALL_ATTENTION_FUNCTIONS["sdpa"](_Module(3), query, key, value, mask)
+            inside.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=engine_pass)
+    thread.start()
+    assert inside.wait(10)
+    out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](_Module(3), query, key, value, mask)  # this thread: not in a pass
+    done.set()
+    thread.join()
+    assert packed == [thread.ident]
+    torch.testing.assert_close(out, sdpa_attention_forward(_Module(3), query, key, value, mask)[0], rtol=0, atol=0)
 
 
 def test_the_engines_tree_passes_run_packed_and_plain_generate_does_not(monkeypatch):

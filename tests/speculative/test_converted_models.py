@@ -33,7 +33,7 @@ def _assert_speculative_identical(model, rows: int = 2):
     drafter = build_drafter("ngram", None, model, tokenizer=None)
     out = model.generate(**inputs, **kwargs, custom_generate=custom_generate, drafter=drafter)
     assert torch.equal(out, reference)
-    assert drafter.last_stats.target_forward_passes <= 24
+    assert drafter.last_stats.mean_accepted > 1  # drafts were accepted
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def _assert_speculative_identical(model, rows: int = 2):
         ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     ],
 )
-def test_care_model_under_the_engine(family, window):
+def test_care_model_under_the_engine(family, window, prefill):
     """Sliding windows (6) shorter than prompt + generation (10 + 24): masked by position, CARE's keys RoPE'd by
     position too."""
     model = make_tiny(family, **window)
@@ -69,7 +69,7 @@ def _tiny_palu(residual_length: int, bits: int = 3):
 
 
 @pytest.mark.parametrize("residual_length", [0, 4])
-def test_palu_quantized_cache_under_the_engine(residual_length):
+def test_palu_quantized_cache_under_the_engine(residual_length, prefill):
     # With a full-precision window, a verification pass reads each cached token in full precision or from codes
     # per query, by position, exactly as one-token decoding would (the window rule of kernels/cache.py)
     palu = _tiny_palu(residual_length)
@@ -200,7 +200,7 @@ def test_prefill_auxiliary_inputs_on_converted_models(kind):
 
 
 @pytest.mark.parametrize("declares", ["nothing", "no_cache_holes"])
-def test_checkpoints_converted_before_key_positions_stay_identical_in_ragged_batches(declares, monkeypatch):
+def test_checkpoints_converted_before_key_positions_stay_identical_in_ragged_batches(declares, monkeypatch, prefill):
     """A CARE or Palu checkpoint converted before `key_positions` runs its own modeling code, which takes cached slot
     `j` of `S` to be at `position_ids[:, 0] - S + j` (older ones declare nothing, one version
     `_supports_cache_holes = False`): the engine keeps every row's slots contiguous for it, since a hole would shift
