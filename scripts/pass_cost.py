@@ -3,9 +3,9 @@ speculative decoding (speedup ≤ tokens per pass ÷ relative cost of the pass).
 
 Each point: a fresh cache filled with a `--context`-token prefill of `--batch-size` rows, then one timed pass over `n`
 tokens per row (all logits, as in a verification pass); median of `--repeats` after two warm-up runs. `ms` is the
-pass as plain `generate` runs it; `engine_ms`, as the speculative engine runs it: in the GEMM layout measured faster
-here (`hf_accel.kernels.cpu_linear`) and with grouped-query attention packed instead of copied per head for `n > 1`
-(`hf_accel.kernels.gqa_attention`); the same as `ms` at `n = 1` where that layout is the default one. The two
+pass as plain `generate` runs it; `engine_ms`, as the speculative engine runs it (`engine.verification_pass`): in the
+GEMM layout measured faster here (`hf_accel.kernels.cpu_linear`) and with grouped-query attention packed instead of
+copied per head for `n > 1` (`hf_accel.kernels.gqa_attention`); the same as `ms` at `n = 1` where that layout is the default one. The two
 alternate, so load on the machine falls on both alike.
 
 Example:
@@ -28,9 +28,8 @@ from hf_accel.compat import CACHE_NAME
 def main(argv=None) -> int:
     from transformers import DynamicCache
 
-    from hf_accel.kernels.cpu_linear import verification_layout
-    from hf_accel.kernels.gqa_attention import packed_gqa_attention
     from hf_accel.loading import load_model_and_tokenizer
+    from hf_accel.speculative import engine
 
     p = OneLineErrorParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -53,8 +52,8 @@ def main(argv=None) -> int:
     prefix = torch.randint(0, vocab, (args.batch_size, args.context), generator=generator)
     ms, engine_ms, head_ms = {}, {}, {}
     head = model.get_output_embeddings()
-    engine_layout = verification_layout(model)
-    layouts = {"plain": contextlib.nullcontext, "engine": lambda: _both(engine_layout, packed_gqa_attention())}
+    engine_layout = engine.verification_layout(model)
+    layouts = {"plain": contextlib.nullcontext, "engine": lambda: engine.verification_pass(engine_layout)}
     with torch.no_grad():
         for n in args.tokens:
             times = {name: [] for name in layouts}
@@ -97,12 +96,6 @@ def main(argv=None) -> int:
                 f"({engine_ms[n] / ms[1]:.2f}x), output projection {head_ms[n]:.1f} ms"
             )
     return 0
-
-
-@contextlib.contextmanager
-def _both(layout, attention):
-    with layout or contextlib.nullcontext(), attention:
-        yield
 
 
 if __name__ == "__main__":

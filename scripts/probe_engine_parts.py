@@ -20,21 +20,20 @@ import contextlib
 import runpy
 import sys
 
-from hf_accel.kernels import cpu_linear, gqa_attention
+from hf_accel.kernels import cpu_linear
 from hf_accel.speculative import engine, prefill
 
 
+# The engine (and scripts/pass_cost.py through it) looks these names up in its own module when a call or pass starts.
 def _layout(choose):
     def force():
-        engine.verification_layout = choose  # the engine looks it up when each call starts
-        cpu_linear.verification_layout = choose  # scripts/pass_cost.py imports it from here
+        engine.verification_layout = choose
 
     return force
 
 
 def _no_gqa_packing():
-    engine.packed_gqa_attention = contextlib.nullcontext  # the engine enters it around every pass
-    gqa_attention.packed_gqa_attention = contextlib.nullcontext  # scripts/pass_cost.py imports it from here
+    engine.packed_gqa_attention = contextlib.nullcontext  # `verification_pass` enters it around every pass
 
 
 def _no_grouped_prefill():

@@ -515,7 +515,7 @@ class SpeculativeEngine:
         # prefilled alone would be rotated otherwise than in the batch's one prefill
         self.rope_follows_pass = any(kind == "longrope" or "dynamic" in str(kind) for _, _, kind in _rope_types(model))
         # the GEMM layout of multi-row passes, measured on this machine (`hf_accel.kernels.cpu_linear`)
-        self.linear_layout = verification_layout(model) or contextlib.nullcontext()
+        self.linear_layout = verification_layout(model)
         self.stats = SpeculativeStats()
 
     # ----------------------------------------------------------------------------------------------- decoding loop
@@ -560,7 +560,7 @@ class SpeculativeEngine:
         # where `True` held every layer's states over the whole pass (a long prefill's largest allocation); a model
         # that records every layer regardless reads the list as `True`.
         hidden = list(self.hidden_layers) if self.hidden_layers else False
-        with self.linear_layout, packed_gqa_attention():
+        with verification_pass(self.linear_layout):
             outputs = self.model(
                 **{CACHE_NAME: cache}, use_cache=True, output_hidden_states=hidden, return_dict=True, **inputs
             )
@@ -873,6 +873,14 @@ class SpeculativeEngine:
             if len(keep):
                 select_cache_rows(cache, keep)
         _close_holes(state, cache, every_hole=self.positions_from_slots)
+
+
+@contextlib.contextmanager
+def verification_pass(layout):
+    """What every pass of the engine runs under: the GEMM layout `layout` ([`verification_layout`]'s; `None`: the
+    default one) and packed grouped-query attention (`hf_accel.kernels.gqa_attention`)."""
+    with layout or contextlib.nullcontext(), packed_gqa_attention():
+        yield
 
 
 def infers_positions_from_slots(model) -> bool:

@@ -296,12 +296,11 @@ def test_probe_half_precision_flips_ignores_the_padding_after_a_rows_eos(monkeyp
     ["plain-layout", "transposed-layout", "no-gqa-packing", "no-grouped-prefill", "transposed-layout,no-gqa-packing"],
 )
 def test_the_engine_parts_probe_forces_each_part(tiny_loaded, capsys, monkeypatch, parts):
-    from hf_accel.kernels import cpu_linear, gqa_attention
+    from hf_accel.kernels import gqa_attention
     from hf_accel.kernels.cpu_linear import ROW_GRID
     from hf_accel.speculative import engine, prefill
 
-    for module, name in [(engine, "verification_layout"), (cpu_linear, "verification_layout"),
-                         (engine, "packed_gqa_attention"), (gqa_attention, "packed_gqa_attention"),
+    for module, name in [(engine, "verification_layout"), (engine, "packed_gqa_attention"),
                          (prefill, "PASS_OVERHEAD_TOKENS")]:  # fmt: skip
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     measured = engine.verification_layout
@@ -311,8 +310,12 @@ def test_the_engine_parts_probe_forces_each_part(tiny_loaded, capsys, monkeypatc
     with pytest.raises(SystemExit) as exit_info:  # the script's own `sys.exit(main())`
         main([parts, str(SCRIPTS / "pass_cost.py"), "--tokens", "2", "--context", "8", "--repeats", "1"])
     assert exit_info.value.code == 0 and "in the engine's layout" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([parts, str(SCRIPTS / "pass_cost.py"), "--tokens", "2", "--context", "8", "--repeats", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
     parts = parts.split(",")
-    assert cpu_linear.verification_layout is engine.verification_layout
+    if "plain-layout" in parts or "transposed-layout" in parts:  # the script measured in the forced layout
+        assert report["engine_layout_rows"] == ([] if "plain-layout" in parts else list(ROW_GRID))
     chosen = engine.verification_layout(make_tiny_llama())
     if "plain-layout" in parts:
         assert chosen is None
@@ -320,6 +323,6 @@ def test_the_engine_parts_probe_forces_each_part(tiny_loaded, capsys, monkeypatc
         assert chosen.row_counts == set(ROW_GRID)
     else:
         assert engine.verification_layout is measured
-    packing = engine.packed_gqa_attention is gqa_attention.packed_gqa_attention is contextlib.nullcontext
-    assert packing == ("no-gqa-packing" in parts)
+    assert (engine.packed_gqa_attention is contextlib.nullcontext) == ("no-gqa-packing" in parts)
+    assert gqa_attention.packed_gqa_attention is not contextlib.nullcontext  # the engine's name alone is patched
     assert prefill.PASS_OVERHEAD_TOKENS == ({} if "no-grouped-prefill" in parts else {"cpu": 32})
