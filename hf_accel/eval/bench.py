@@ -157,9 +157,9 @@ def run_method(
             rows = [_trim(row, eos, pad) for row in new_tokens]
             for p, row in zip(batch, rows):
                 run.outputs[p.question_id] = row
-            accepted, row_passes = _acceptance(method, extra, rows, counter.calls)
-            stats = getattr(extra.get("drafter"), "last_stats", None)  # the engine may prefill in several passes
-            prefill = stats.prefill_time_s if stats is not None else counter.first_seconds
+            stats = getattr(extra.get("drafter"), "last_stats", None)  # the engine's, for hf-accel drafters
+            accepted, row_passes = _acceptance(method, stats, rows, counter.calls)
+            prefill = stats.prefill_time_s if stats is not None else counter.first_seconds  # perhaps several passes
             for category, share in _shares(batch, rows).items():
                 run.seconds[category] += share * seconds
                 run.prefill_seconds[category] += share * prefill
@@ -171,10 +171,9 @@ def run_method(
     return run
 
 
-def _acceptance(method: str, extra: dict, rows: list[list[int]], target_calls: int) -> tuple[int, int]:
-    """(tokens committed after the prefill, (row, pass) pairs) of one `generate` call; the first token of each row
-    comes from the prefill and is not counted."""
-    stats = getattr(extra.get("drafter"), "last_stats", None)
+def _acceptance(method: str, stats, rows: list[list[int]], target_calls: int) -> tuple[int, int]:
+    """(tokens committed after the prefill, (row, pass) pairs) of one `generate` call, from the engine's `stats` if
+    the method ran in it (else `None`); the first token of each row comes from the prefill and is not counted."""
     if stats is not None:  # the engine's own per-row histogram, bonus included
         return sum(k * v for k, v in stats.accepted_histogram.items()), sum(stats.accepted_histogram.values())
     after_prefill = sum(max(len(r) - 1, 0) for r in rows)

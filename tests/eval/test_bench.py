@@ -481,9 +481,9 @@ def test_acceptance_without_engine_statistics_leaves_the_prefill_token_out():
     from hf_accel.eval.bench import _acceptance
 
     # 5 generated tokens in 3 forward calls: the prefill makes the first, 2 later passes make the other 4
-    assert _acceptance("pld", {}, [[1, 2, 3, 4, 5]], target_calls=3) == (4, 2)
+    assert _acceptance("pld", None, [[1, 2, 3, 4, 5]], target_calls=3) == (4, 2)
     # vanilla: one token per row and pass after the prefill, whatever the calls (rows of 3 and 1 tokens)
-    assert _acceptance("vanilla", {}, [[1, 2, 3], [4]], target_calls=3) == (2, 2)
+    assert _acceptance("vanilla", None, [[1, 2, 3], [4]], target_calls=3) == (2, 2)
 
 
 @pytest.mark.parametrize("other_demo", ["killed while converting", "finished first"])
