@@ -29,7 +29,7 @@ MAX_PACKED_QUERIES = 128  # more queries (a prefill) keep the copy: the repeated
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks", "output_attentions")  # the fallback's to refuse or add
 
 _LOCK = threading.Lock()
-_INSTALLED = {"count": 0, "saved": None}  # open entries; (had a local entry, that entry, the wrapper) once installed
+_INSTALLED = {"count": 0, "wrapper": None, "had_local": False}  # open entries; what the first one installed over
 _THREAD = threading.local()  # `depth`: the entries open in this thread
 
 
@@ -75,12 +75,11 @@ def packed_gqa_attention():
     one registered while an entry is open is kept."""
     with _LOCK:
         if _INSTALLED["count"] == 0:
-            local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {})
-            _INSTALLED["saved"] = None
-            if ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward:
-                wrapper = functools.partial(_packing, fallback=sdpa_attention_forward)
-                _INSTALLED["saved"] = ("sdpa" in local, local.get("sdpa"), wrapper)
-                ALL_ATTENTION_FUNCTIONS["sdpa"] = wrapper
+            _INSTALLED["wrapper"] = None
+            if ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward:  # a local entry, if any, is that function
+                _INSTALLED["had_local"] = "sdpa" in getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {})
+                _INSTALLED["wrapper"] = functools.partial(_packing, fallback=sdpa_attention_forward)
+                ALL_ATTENTION_FUNCTIONS["sdpa"] = _INSTALLED["wrapper"]
         _INSTALLED["count"] += 1
     _THREAD.depth = getattr(_THREAD, "depth", 0) + 1
     try:
@@ -89,10 +88,10 @@ def packed_gqa_attention():
         _THREAD.depth -= 1
         with _LOCK:
             _INSTALLED["count"] -= 1
-            saved = _INSTALLED["saved"]
+            wrapper = _INSTALLED["wrapper"]
             local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {})
-            if _INSTALLED["count"] == 0 and saved is not None and local.get("sdpa") is saved[2]:
-                if saved[0]:
-                    ALL_ATTENTION_FUNCTIONS["sdpa"] = saved[1]
+            if _INSTALLED["count"] == 0 and wrapper is not None and local.get("sdpa") is wrapper:  # not replaced since
+                if _INSTALLED["had_local"]:
+                    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
                 else:
                     del ALL_ATTENTION_FUNCTIONS["sdpa"]

@@ -157,3 +157,13 @@ def test_the_engines_tree_passes_run_packed_and_plain_generate_does_not(monkeypa
     drafter = ReferenceDrafter(reference, depth=4, tree=True)
     assert torch.equal(model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter), reference)
     assert max(packed) > 1 and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
+def test_a_local_entry_of_transformers_own_sdpa_is_put_back():
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+    try:
+        with packed_gqa_attention():
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward
+        assert ALL_ATTENTION_FUNCTIONS._local_mapping["sdpa"] is sdpa_attention_forward
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
