@@ -1695,26 +1695,6 @@ def test_dynamic_rope_past_max_position_embeddings_keeps_greedy_identity(loop):
     assert torch.equal(model.generate(**kwargs, custom_generate=loop, drafter=drafter), reference)
 
 
-def test_dynamic_rope_ragged_batches_are_prefilled_in_one_pass(prefill):
-    """Dynamic NTK RoPE sets a pass's frequencies from its largest position: prompts of 60 and 6 tokens share the
-    longer one's in `generate`'s batched prefill, while a group of short prompts prefilled alone would get the
-    original ones (the cached keys of the short rows differed, in review): such models keep the one batched prefill.
-    (Past `max_position_embeddings` at batch > 1 the text itself may differ from plain `generate`'s: see README.)"""
-    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    model = make_tiny_llama(max_position_embeddings=32, initializer_range=0.3, vocab_size=500, rope_parameters=rope)
-    lengths, width = [60, 6, 58, 4], 60
-    input_ids = torch.randint(3, 500, (4, width), generator=torch.Generator().manual_seed(0))
-    attention_mask = (torch.arange(width)[None] >= width - torch.tensor(lengths)[:, None]).long()
-    kwargs = {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "max_new_tokens": 4}
-    calls = []
-    handle = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
-    try:
-        model.generate(**kwargs, custom_generate=custom_generate, drafter=ReferenceDrafter(input_ids, depth=0))
-    finally:
-        handle.remove()
-    assert calls[0] == (4, width)
-
-
 def _tiny_longrope_phi3():
     """A Phi-3 whose longrope switches to its long factors past 64 tokens (Phi-3-mini-128k: past 4,096)."""
     from transformers import Phi3Config, Phi3ForCausalLM

@@ -1,5 +1,6 @@
 """The grouped prefill of a ragged batch: the split is optimal, and the filled cache is one batched prefill's."""
 
+import contextlib
 import itertools
 import random
 
@@ -8,9 +9,10 @@ import torch
 from transformers import DynamicCache
 
 from hf_accel.compat import CACHE_NAME
-from hf_accel.speculative import prefill
+from hf_accel.speculative import custom_generate, prefill
 from hf_accel.speculative.prefill import grouped_prefill, plan_prefill, prefill_groups
 from tests.conftest import make_tiny_llama
+from tests.speculative.test_engine import ReferenceDrafter
 
 
 def _partitions(items):
@@ -112,24 +114,41 @@ def test_one_batched_pass_where_grouping_cannot_help_or_does_not_apply(monkeypat
     assert plan_prefill(model, mask, None, cache) is None
 
 
+@contextlib.contextmanager
+def _input_shapes(model):
+    """The shape of `input_ids` of every forward call of `model` while entered, in order."""
+    shapes = []
+    handle = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        yield shapes
+    finally:
+        handle.remove()
+
+
 def test_a_ragged_batch_on_a_cpu_is_prefilled_in_groups_and_decodes_as_generate():
     """With the shipped overhead: prompts of 6 and 60 tokens run as two passes, and the text is `generate`'s."""
-    from hf_accel.speculative import custom_generate
-    from tests.speculative.test_engine import ReferenceDrafter
-
     model = make_tiny_llama()
     input_ids, attention_mask = _batch([60, 6, 58, 4])
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 12, "do_sample": False}
     reference = model.generate(**kwargs)
-    calls = []
-    handle = model.register_forward_pre_hook(
-        lambda module, args, kw: calls.append(kw["input_ids"].shape), with_kwargs=True
-    )
-    try:
+    with _input_shapes(model) as calls:
         drafter = ReferenceDrafter(reference, depth=4, tree=True)
         out = model.generate(**kwargs, custom_generate=custom_generate, drafter=drafter)
-    finally:
-        handle.remove()
     assert torch.equal(out, reference)
     assert calls[:2] == [torch.Size([2, 6]), torch.Size([2, 60])]
     assert out.speculative_stats.prefill_time_s > 0
+
+
+def test_dynamic_rope_ragged_batches_are_prefilled_in_one_pass(prefill):
+    """Dynamic NTK RoPE sets a pass's frequencies from its largest position: prompts of 60 and 6 tokens share the
+    longer one's in `generate`'s batched prefill, while a group of short prompts prefilled alone would get the
+    original ones (the cached keys of the short rows differed, in review): such models keep the one batched prefill.
+    (Past `max_position_embeddings` at batch > 1 the text itself may differ from plain `generate`'s: see README.)"""
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = make_tiny_llama(max_position_embeddings=32, initializer_range=0.3, vocab_size=500, rope_parameters=rope)
+    input_ids, attention_mask = _batch([60, 6, 58, 4])
+    with _input_shapes(model) as calls:
+        drafter = ReferenceDrafter(input_ids, depth=0)
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, custom_generate=custom_generate,
+                       drafter=drafter)  # fmt: skip
+    assert calls[0] == input_ids.shape
