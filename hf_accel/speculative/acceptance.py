@@ -17,6 +17,7 @@ distribution node `c`'s token was sampled from, and `x_c` node `c`'s token.
   with `x_c` zeroed and renormalised. Equivalent to "sample `y ~ p_u`, descend into the child whose token is `y`".
 """
 
+import numpy as np
 import torch
 
 from .tree import children_lists
@@ -126,28 +127,67 @@ def sample_accept_tree(
         path.append(node)
 
 
-def gumbel_scores(scores: torch.Tensor, seed: int, rows: list[int], positions: list[int]) -> torch.Tensor:
-    """`log_softmax(scores) + noise` `[K, V]` with [`position_gumbel_noise`] keyed by `(seed, row, position)`: its
-    argmax is the token sampled at that output position. The engine picks with it and `assisted_generate` hands it to
-    transformers' greedy loop, so both sample the same text."""
-    noise = position_gumbel_noise(seed, rows, positions, scores.shape[-1], device=scores.device)
-    return torch.log_softmax(scores.float(), dim=-1) + noise
+def position_uniform(seed: int, row: int, position: int) -> float:
+    """A number in `[0, 1)`, uniform over the keys and a fixed function of `(seed, row, position)` (53 bits of numpy's
+    `SeedSequence` hash of the three)."""
+    high, low = np.random.SeedSequence([seed, row, position]).generate_state(2, np.uint32).tolist()
+    return ((high << 21) | (low >> 11)) / 2.0**53
 
 
-def position_gumbel_noise(
-    seed: int, rows: list[int], positions: list[int], vocab_size: int, device=None
-) -> torch.Tensor:
-    """Gumbel noise `[K, vocab_size]`, a fixed function of `(seed, row, position)` for each of the K pairs.
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.LongTensor:
+    """The token `u` picks from each distribution by inversion: the first `i` with `cdf(i) > u * cdf(V - 1)`.
 
-    `argmax(log_softmax(scores) + noise)` samples from `softmax(scores)` (the Gumbel-max trick). Drawing the noise per
-    output position, not per draft node, makes the sampled token at a position the same whatever the draft tree:
-    a deterministic draft is accepted iff it equals that token, which happens with probability `p(draft)` (the
-    point-mass rule's), so sampling stays lossless and a seeded run never depends on how the drafter sized its trees.
+    Args:
+        probs (`torch.Tensor` of shape `(K, vocab_size)`): non-negative, rows not all zero (need not sum to one).
+        uniforms (`torch.Tensor` of shape `(K,)`): numbers in `[0, 1)`.
+
+    Returns:
+        `torch.LongTensor` of shape `(K,)`. For `u` uniform, token `i` comes with probability `p_i / sum(p)`; a token of
+        probability zero is never picked (its `cdf` equals the one before it). The sum runs in float64.
     """
-    keys = [((seed * 1_000_003 + row) * 1_000_033 + position) % 2**63 for row, position in zip(rows, positions)]
-    unique = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # nodes at one position share their noise
-    noise = torch.empty((len(unique), vocab_size))
-    for key, i in unique.items():
-        uniform = torch.rand(vocab_size, generator=torch.Generator().manual_seed(key)).clamp_(min=1e-20)
-        noise[i] = -torch.log(-torch.log(uniform))
-    return noise[[unique[key] for key in keys]].to(device)
+    cdf = probs.double().cumsum(-1)
+    targets = uniforms.to(cdf)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+def position_samples(scores: torch.Tensor, seed: int, rows: list[int], positions: list[int]) -> torch.LongTensor:
+    """The token sampled from `softmax(scores)` `[K, V]` at each of K output positions: [`inverse_cdf_sample`] with the
+    position's [`position_uniform`]. The engine samples with it and `assisted_generate` hands it to transformers'
+    greedy loop, so both sample the same text.
+
+    Drawing the randomness per output position, not per draft node, makes the sampled token at a position the same
+    whatever the draft tree: a deterministic draft is accepted iff it equals that token, which happens with probability
+    `p(draft)` (the point-mass rule's), so sampling stays lossless and a seeded run never depends on how the drafter
+    sized its trees.
+    """
+    uniforms = torch.tensor([position_uniform(seed, r, p) for r, p in zip(rows, positions)], dtype=torch.float64)
+    return inverse_cdf_sample(torch.softmax(scores.float(), dim=-1), uniforms.to(scores.device))
+
+
+def accept_by_picks(
+    tree_ids: list[int], parent: list[int], pick, node_valid: list[bool] | None = None
+) -> tuple[list[int], int]:
+    """[`greedy_accept`] for one tree whose picks are computed on demand: `pick(node)` is the target's token after
+    `node`. Only the accepted nodes' picks are asked for (the root's, then each accepted child's), level by level, so a
+    costly pick (a sample) is paid for the accepted path, not the whole tree.
+
+    Returns:
+        `tuple`: the accepted path (node indices, root first): the deepest node whose every ancestor's pick is its
+        child's token, the first in node order among equally deep ones, as `greedy_accept` chooses; and the bonus
+        token, that node's pick.
+    """
+    children = children_lists(parent)
+    picks, level, best = {}, [0], 0
+    while level:
+        best = level[0]
+        next_level = []
+        for node in level:
+            picks[node] = pick(node)
+            next_level += [
+                c for c in children[node] if tree_ids[c] == picks[node] and (node_valid is None or node_valid[c])
+            ]
+        level = sorted(next_level)
+    path = [best]
+    while parent[path[-1]] >= 0:
+        path.append(parent[path[-1]])
+    return path[::-1], picks[best]

@@ -83,9 +83,11 @@ for models whose config names each layer's type ([`attention_window`]).
   token their parent's processed scores forbid (never committed), so they see only paths they allow; processors known
   to ignore the context (temperature, top-k/p, ...) are applied once to all nodes.
 - Greedy mode is "argmax of the processed logits", as in `generate`; a node is accepted iff its token equals it.
-- Sampling with deterministic drafts samples each output position by Gumbel-max with noise keyed by (seed, row,
-  position) and accepts a node iff it equals that sample: lossless (acceptance probability `p(draft)`, the point-mass
-  rule's) and the text does not depend on the draft tree. With draft probabilities, rejection sampling.
+- Sampling with deterministic drafts samples each output position by inversion of its distribution with a uniform
+  number keyed by (seed, row, position), and accepts a node iff it equals that sample: lossless (acceptance probability
+  `p(draft)`, the point-mass rule's) and the text does not depend on the draft tree. Only the accepted nodes' positions
+  are sampled (a walk down the tree), so a wide tree costs no more sampling than a chain. With draft probabilities,
+  rejection sampling.
 """
 
 import contextlib
@@ -120,7 +122,7 @@ from transformers.generation import (
 from ..compat import CACHE_NAME
 from ..kernels.cpu_linear import verification_layout
 from ..kernels.gqa_attention import packed_gqa_attention
-from .acceptance import greedy_accept, gumbel_scores, match_draft_vocab, sample_accept_tree
+from .acceptance import accept_by_picks, greedy_accept, match_draft_vocab, position_samples, sample_accept_tree
 from .cache import refuse_filled_cache, select_cache_positions, select_cache_rows, validate_cache_for_speculation
 from .prefill import grouped_prefill, plan_prefill
 from .tree import (
@@ -685,10 +687,10 @@ class SpeculativeEngine:
         return torch.cat([embeds, aux_embeds.to(embeds)], dim=1)
 
     def _pick(self, scores, rows, positions):
-        """The token each of `scores` `[K, V]` picks: the argmax, or, sampling, the Gumbel-max sample keyed by the
-        token's row and position ([`gumbel_scores`])."""
+        """The token each of `scores` `[K, V]` picks: the argmax, or, sampling, the sample keyed by the token's row and
+        position ([`position_samples`])."""
         if self.do_sample:
-            return gumbel_scores(scores, self.noise_seed, rows.tolist(), positions.tolist()).argmax(-1)
+            return position_samples(scores, self.noise_seed, rows.tolist(), positions.tolist())
         return scores.argmax(-1)
 
     # ------------------------------------------------------------------------------------------- verification pass
@@ -804,12 +806,27 @@ class SpeculativeEngine:
         `rows`); `out_positions` `[B, N]` is the output position each node's pick fills (its own position + 1).
 
         Greedy, and sampling with deterministic drafts: each node's pick is the token the target chooses after it
-        (argmax, or the Gumbel-max sample of that output position, the same for every node at that position); a node
-        is accepted iff it equals its parent's pick, so the sampled text never depends on the tree. Sampling with
-        draft probabilities: rejection sampling ([`sample_accept_tree`]).
+        (argmax, or the sample of that output position, the same for every node at that position); a node is
+        accepted iff it equals its parent's pick, so the sampled text never depends on the tree. Sampling picks only
+        along the accepted path ([`accept_by_picks`]). Sampling with draft probabilities: rejection sampling
+        ([`sample_accept_tree`]).
         """
         num_nodes = tree_ids.shape[1]
-        if not self.do_sample or tree.draft_probs is None:
+        if self.do_sample and tree.draft_probs is None:
+            paths, bonus = [], []
+            positions = out_positions.tolist()
+            for b, row in enumerate(rows.tolist()):
+
+                def pick(node, b=b, row=row):
+                    return int(
+                        position_samples(scores[b, node : node + 1], self.noise_seed, [row], [positions[b][node]])
+                    )
+
+                path, token = accept_by_picks(tree_ids[b].tolist(), parent[b].tolist(), pick, node_valid[b].tolist())
+                paths.append(path)
+                bonus.append(token)
+            return paths, bonus
+        if not self.do_sample:
             rows = rows[:, None].expand_as(out_positions)
             picks = self._pick(scores.reshape(-1, scores.shape[-1]), rows.reshape(-1), out_positions.reshape(-1))
             _best, path_mask, bonus = greedy_accept(

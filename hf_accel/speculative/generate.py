@@ -35,7 +35,7 @@ from transformers.generation import (
 )
 
 from ..compat import CACHE_NAME, check_cache_argument
-from .acceptance import gumbel_scores
+from .acceptance import position_samples
 from .cache import refuse_filled_cache
 from .engine import (
     DraftRequest,
@@ -444,8 +444,8 @@ def assisted_generate(
 
     Sampling draws its randomness per output position, as hf-accel's own loop does ([`_PositionSampling`]): a seeded
     call gives the same text whatever the drafter proposed (its drafts' lengths follow measured pass times), the text
-    `custom_generate` gives with that seed. With `output_scores`, a sampled call's scores are the log-probabilities
-    plus that position's Gumbel noise."""
+    `custom_generate` gives with that seed. With `output_scores`, a sampled call's scores are `-inf` but at the sampled
+    token, which keeps its log-probability (so `compute_transition_scores` gives the sampled tokens' log-probabilities)."""
     _validate_call(
         "assisted_generate", model, drafter, generation_config, logits_processor, stopping_criteria, model_kwargs,
         input_ids,
@@ -528,9 +528,9 @@ def _check_assisted_loop(model) -> None:
 
 class _PositionSampling(LogitsProcessor):
     """The last processor of a sampled [`assisted_generate`] call, whose loop then picks greedily: the scores become
-    `log_softmax(scores)` plus Gumbel noise keyed by a seed drawn from torch's generator and the output position
-    ([`gumbel_scores`], row 0, position counted without the prompt's `padding`), so the argmax is the sample
-    hf-accel's engine draws there, whatever the draft."""
+    `-inf` but at the token sampled with a seed drawn from torch's generator and the output position
+    ([`position_samples`], row 0, position counted without the prompt's `padding`), the sample hf-accel's engine
+    draws there, whatever the draft, which keeps its log-probability."""
 
     def __init__(self, padding: int = 0):
         self.seed = int(torch.randint(2**31, ()))  # as the engine draws it
@@ -538,7 +538,10 @@ class _PositionSampling(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         position = input_ids.shape[1] - self.padding
-        return gumbel_scores(scores, self.seed, [0] * len(scores), [position] * len(scores))
+        tokens = position_samples(scores, self.seed, [0] * len(scores), [position] * len(scores))
+        log_probs = torch.log_softmax(scores.float(), dim=-1)
+        picked = torch.full_like(log_probs, -float("inf"))
+        return picked.scatter_(1, tokens[:, None], log_probs.gather(1, tokens[:, None]))
 
 
 _assisted_call = threading.local()  # `.generator`: the candidate generator of this thread's `assisted_generate`

@@ -59,27 +59,74 @@ def test_sampling_tree_keeps_first_token_distribution():
     assert 0.5 * (freq - p[0]).abs().sum() < 0.04
 
 
-def test_position_gumbel_noise_is_a_function_of_seed_row_and_position():
-    from hf_accel.speculative.acceptance import position_gumbel_noise
+def test_position_uniform_is_a_function_of_seed_row_and_position():
+    from hf_accel.speculative.acceptance import position_uniform
 
-    noise = position_gumbel_noise(7, [0, 0, 1, 0], [5, 6, 5, 5], 50)
-    assert (
-        torch.equal(noise[0], noise[3]) and not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
-    )
-    assert torch.equal(position_gumbel_noise(7, [1], [5], 50)[0], noise[2])
-    assert not torch.equal(position_gumbel_noise(8, [0], [5], 50)[0], noise[0])
+    u = [position_uniform(7, r, p) for r, p in [(0, 5), (0, 6), (1, 5), (0, 5)]]
+    assert u[0] == u[3] and len(set(u[:3])) == 3
+    assert position_uniform(8, 0, 5) != u[0]
+    many = torch.tensor([position_uniform(3, k % 5, k // 5) for k in range(20000)])
+    assert 0 <= many.min() and many.max() < 1
+    # uniform: every tenth of [0, 1) gets a tenth of the keys (binomial sd ~0.002)
+    assert (torch.histc(many, bins=10, min=0, max=1) / len(many) - 0.1).abs().max() < 0.01
 
 
-def test_keyed_gumbel_max_samples_the_softmax():
-    """`argmax(log p + noise)` over many (row, position) keys is distributed as `p` (a sign flip of the noise, i.e.
-    reversed Gumbel, is off by ~0.05 in total variation, below what the engine's end-to-end test resolves)."""
-    from hf_accel.speculative.acceptance import position_gumbel_noise
+def test_inverse_cdf_sample_at_the_boundaries_and_on_zero_probabilities():
+    from hf_accel.speculative.acceptance import inverse_cdf_sample
 
-    p = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    p = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 6)
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.9999, 1 - 2**-53, 0.5], dtype=torch.float64)
+    assert inverse_cdf_sample(p, u).tolist() == [1, 1, 3, 3, 3, 3]
+    # unnormalised rows: the same picks as normalised ones
+    assert inverse_cdf_sample(p * 7, u).tolist() == [1, 1, 3, 3, 3, 3]
+
+
+def test_position_samples_sample_the_softmax():
+    """The keyed inverse-CDF sample over many (row, position) keys is distributed as `softmax(scores)`."""
+    from hf_accel.speculative.acceptance import position_samples
+
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0])
     n = 20000
-    noise = position_gumbel_noise(3, [k % 5 for k in range(n)], [k // 5 for k in range(n)], len(p))
-    freq = torch.bincount((p.log() + noise).argmax(-1), minlength=len(p)) / n
-    assert 0.5 * (freq - p).abs().sum() < 0.015, freq  # sampling noise ~0.005
+    tokens = position_samples(p.log().expand(n, -1), 3, [k % 5 for k in range(n)], [k // 5 for k in range(n)])
+    freq = torch.bincount(tokens, minlength=len(p)) / n
+    assert freq[4] == 0 and 0.5 * (freq - p).abs().sum() < 0.015, freq  # sampling noise ~0.005
+
+
+def _random_tree(rng, num_nodes: int, vocab: int) -> tuple[list[int], list[int]]:
+    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, num_nodes)]
+    return [int(t) for t in rng.integers(0, vocab, num_nodes)], parent
+
+
+def test_accept_by_picks_equals_greedy_accept_and_picks_only_the_accepted_nodes():
+    """On random trees (duplicate siblings and padding nodes included), the on-demand walk accepts the same path and
+    bonus as the vectorised `greedy_accept`, and asks for no pick off the accepted nodes."""
+    import numpy as np
+
+    from hf_accel.speculative.acceptance import accept_by_picks
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n = int(rng.integers(1, 12))
+        tree_ids, parent = _random_tree(rng, n, 3)
+        picks = [int(t) for t in rng.integers(0, 3, n)]
+        valid = [True] + [bool(v) for v in rng.random(n - 1) > 0.2]
+        asked = []
+
+        def pick(node, picks=picks, asked=asked):
+            asked.append(node)
+            return picks[node]
+
+        path, bonus = accept_by_picks(tree_ids, parent, pick, valid)
+        _best, path_mask, expected_bonus = greedy_accept(
+            torch.tensor([tree_ids]),
+            compute_ancestor_matrix(torch.tensor([parent])),
+            torch.tensor([parent]),
+            torch.tensor([picks]),
+            torch.tensor([valid]),
+        )
+        assert path == path_mask[0].nonzero().flatten().tolist() and bonus == expected_bonus.item()
+        accepted = {0} | {c for c in range(1, n) if valid[c] and tree_ids[c] == picks[parent[c]]}
+        assert len(asked) == len(set(asked)) and set(asked) <= accepted
 
 
 def test_sampling_never_tries_a_padding_node():

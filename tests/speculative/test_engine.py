@@ -341,6 +341,26 @@ def test_seeded_sampled_text_of_the_assisted_loop_does_not_depend_on_the_drafts(
         assert torch.equal(out, expected)
 
 
+def test_sampled_assisted_scores_keep_the_sampled_tokens_log_probabilities(tiny_llama):
+    """With `output_scores`, each step's scores are `-inf` but at the sampled token, which keeps its log-probability
+    under the processed distribution (temperature 0.9 here), so `compute_transition_scores` gives exactly that."""
+    input_ids = torch.tensor([[5, 6, 7, 8] * 3 + [5, 6]])
+    torch.manual_seed(3)
+    out = tiny_llama.generate(
+        input_ids, max_new_tokens=10, do_sample=True, temperature=0.9, top_k=0, custom_generate=assisted_generate,
+        drafter=ReferenceDrafter(tiny_llama.generate(input_ids, max_new_tokens=10), corrupt_every=0),
+        output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    new = out.sequences[0, input_ids.shape[1] :]
+    with torch.no_grad():
+        logits = tiny_llama(out.sequences[:, :-1]).logits[0, input_ids.shape[1] - 1 :].float()
+    expected = torch.log_softmax(logits / 0.9, -1).gather(1, new[:, None])[:, 0]
+    scores = torch.cat(out.scores)
+    assert (scores.isfinite().sum(-1) == 1).all() and torch.equal(scores.argmax(-1), new)
+    transition = tiny_llama.compute_transition_scores(out.sequences, out.scores)[0]
+    torch.testing.assert_close(transition, expected, atol=1e-4, rtol=1e-4)
+
+
 class CollectingStreamer:
     """A streamer that keeps what it is given: every token in order, each `put`'s shape, and how often it ended."""
 
