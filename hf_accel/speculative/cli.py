@@ -1,6 +1,7 @@
 """`hf-accel index build`: an Infinigram index from text files, a dataset, or the model's own answers."""
 
 import itertools
+import math
 import re
 import shutil
 import time
@@ -33,6 +34,12 @@ def add_cli(commands) -> None:
     )  # fmt: skip
     build.add_argument("--max-new-tokens", type=int, default=256, help="self-distill: answer length cap")
     build.add_argument("--batch-size", type=int, default=8, help="self-distill: prompts per generate call")
+    build.add_argument(
+        "--samples", type=int, default=0,
+        help="self-distill: also index this many answers per prompt sampled at --temperature (for sampled decoding)",
+    )  # fmt: skip
+    build.add_argument("--temperature", type=float, default=0.7, help="self-distill: the sampled answers' temperature")
+    build.add_argument("--seed", type=int, default=0, help="self-distill: the sampled answers' seed")
     build.add_argument("--trust-remote-code", action="store_true", help="needed for converted checkpoints")
     build.add_argument("--json", action="store_true", help="print one JSON object")
     build.set_defaults(func=_run_build)
@@ -58,6 +65,10 @@ def _run_build(args) -> int:
         raise ValueError("nothing to index: pass --text FILE..., --dataset NAME, or --self-distill PROMPTS...")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise ValueError("--max-new-tokens and --batch-size must be at least 1")
+    if args.samples < 0:
+        raise ValueError(f"--samples must be at least 0, got {args.samples}")
+    if args.samples and not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ValueError(f"--temperature must be positive and finite, got {args.temperature}")
     out = check_output_path(args.out)  # a file is refused; a used index directory is rebuilt in place
     # an index's files (header.json goes first in a rebuild's swap) or a killed build's `.staging-*` leftovers
     entries = [p.name for p in out.iterdir() if not p.name.startswith(".staging-")] if out.is_dir() else []
@@ -99,11 +110,15 @@ def _run_build(args) -> int:
     for name, offset, limit in prompt_sets:
         prompts = load_prompts(name, tokenizer, limit=limit, offset=offset)
         tic = time.perf_counter()
-        answers = self_distill(model, tokenizer, prompts, out, args.max_new_tokens, args.batch_size, args.model)
+        answers = self_distill(
+            model, tokenizer, prompts, out, args.max_new_tokens, args.batch_size, args.model,
+            samples=args.samples, temperature=args.temperature, seed=args.seed,
+        )  # fmt: skip
         documents.append(pieces_within_vocabulary(answers, vocab_size))
         generation_s += time.perf_counter() - tic
+        sampled = f":samples={args.samples}@T{args.temperature:g}:seed={args.seed}" if args.samples else ""
         sources.append(
-            f"self-distill:{published_name(name)}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}"
+            f"self-distill:{published_name(name)}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}{sampled}"
         )
     tic = time.perf_counter()
     header, build_s = build_index_from_documents(itertools.chain(*documents), tokenizer, out, sources, args.model)

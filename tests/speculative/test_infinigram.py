@@ -431,6 +431,10 @@ def test_index_build_cli_errors_are_one_line_and_come_before_loading(tmp_path, c
         # the model does not exist: these must fail on the options first
         (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "x", "--batch-size", "0"],
          "at least 1"),
+        (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "x", "--samples", "-1"],
+         "--samples must be at least 0"),
+        (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "x", "--samples", "2",
+          "--temperature", "0"], "--temperature must be positive"),
         (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "x[3:1]"], "empty prompt"),
         (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--self-distill", "/no/such.jsonl"], "not found"),
         (["--model", "./no-such-model", "--out", str(tmp_path / "o"), "--text", str(text)], "no-such-model"),
@@ -847,6 +851,44 @@ def test_the_self_distillation_cache_is_per_dtype(tmp_path):
     half.generate = lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs)
     self_distill(half, _CharTokenizer(), prompts, tmp_path, max_new_tokens=4, use_speculation=False)
     assert calls  # answered again in bfloat16, not taken from the float32 run
+
+
+def test_sampled_self_distillation_adds_seeded_cached_sampled_answers(tiny_llama, tmp_path):
+    """`samples=2` returns the greedy answers (not regenerated when cached), then two sampled answers per prompt: the
+    same with the same seed and batches (torch's global generator untouched), others with another seed, cached like
+    greedy ones."""
+    from hf_accel.eval.prompts import BenchPrompt
+    from hf_accel.speculative.drafters.build import SELF_DISTILL_CACHE, self_distill
+
+    prompts = [BenchPrompt(question_id=str(i), category="t", text=t) for i, t in enumerate(["abc", "hello", "xyz!"])]
+    kwargs = {"max_new_tokens": 8, "batch_size": 2}
+    greedy = self_distill(tiny_llama, _CharTokenizer(), prompts, tmp_path / "a", **kwargs)
+
+    class Counting(_CharTokenizer):
+        texts = []
+
+        def __call__(self, texts, **kw):
+            Counting.texts += list(texts)
+            return super().__call__(texts, **kw)
+
+    state = torch.get_rng_state()
+    answers = self_distill(tiny_llama, Counting(), prompts, tmp_path / "a", samples=2, temperature=1.5, **kwargs)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert answers[:3] == greedy and len(answers) == 9
+    assert sorted(Counting.texts) == sorted([p.text for p in prompts] * 2)  # only the sampled answers generated
+    assert answers[3:] != greedy * 2  # temperature 1.5 on a random model: sampled answers leave the greedy ones
+    again = self_distill(tiny_llama, _CharTokenizer(), prompts, tmp_path / "b", samples=2, temperature=1.5, **kwargs)
+    assert again == answers
+    other = self_distill(tiny_llama, _CharTokenizer(), prompts, tmp_path / "c", samples=2, temperature=1.5, seed=1,
+                         **kwargs)  # fmt: skip
+    assert other[:3] == greedy and other[3:] != answers[3:]
+    records = [json.loads(line) for line in (tmp_path / "a" / SELF_DISTILL_CACHE).read_text().splitlines()]
+    assert sorted(r.get("sample", "") for r in records) == [""] * 3 + ["1@T1.5:seed0"] * 3 + ["2@T1.5:seed0"] * 3
+    Counting.texts = []
+    cached = self_distill(tiny_llama, Counting(), prompts, tmp_path / "a", samples=2, temperature=1.5, **kwargs)
+    assert cached == answers and Counting.texts == []
+    with pytest.raises(ValueError, match="temperature positive"):
+        self_distill(tiny_llama, _CharTokenizer(), prompts, tmp_path / "a", samples=1, temperature=0.0, **kwargs)
 
 
 @pytest.mark.parametrize("use_speculation", [False, True])

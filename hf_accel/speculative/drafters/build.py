@@ -4,7 +4,11 @@ Self-distillation (spec B.2, "Target-5M": the setting with the best acceptance) 
 greedily and indexes its responses. Ambiguities (B.11 item 3) resolved here: greedy decoding, responses only (the
 prompt and chat template are not indexed: the prompt is in the context at drafting time anyway), prompts rendered and
 tokenized as the benchmark does (`hf_accel.eval.prompts`: a raw prompt with the tokenizer's BOS, if it adds one),
-generation stops at EOS or `max_new_tokens` (default 256).
+generation stops at EOS or `max_new_tokens` (default 256). `samples=N` adds N answers per prompt sampled at
+`temperature` (top-k and top-p off, as `bench generate --temperature` samples): an index for sampled decoding, whose
+text leaves the greedy answer's path, is better matched by the model's sampled answers (issue 6's simulation over
+sampled HumanEval answers: 2.13 tokens per pass with the greedy answers indexed, 2.22 with one sampled answer each
+added).
 
 Generation is batched (prompts sorted by length to limit padding), cached and resumable: every finished answer is
 appended to `<out>/self_distill.jsonl` keyed by prompt text (and whether the tokenizer added its BOS), model name and
@@ -17,6 +21,7 @@ the weights' alone, are taken as the model's when the weights match.
 
 import hashlib
 import json
+import math
 import os
 import re
 import stat
@@ -167,10 +172,19 @@ def answers_fingerprint(model) -> str:
     return hashlib.sha256(f"{model_fingerprint(model)}\0{generation}".encode()).hexdigest()[:16]
 
 
-def _cache_key(model_name: str, text: str, max_new_tokens: int, special_tokens: bool = False) -> str:
+def _cache_key(
+    model_name: str, text: str, max_new_tokens: int, special_tokens: bool = False, sample: str | None = None
+) -> str:
     # a raw prompt given the tokenizer's special tokens (a Llama BOS) is another input than its text alone
     marker = "\0special" if special_tokens else ""
+    marker += f"\0sample {sample}" if sample is not None else ""  # a greedy answer's key is the one it always had
     return hashlib.sha256(f"{model_name}\0{max_new_tokens}{marker}\0{text}".encode()).hexdigest()[:24]
+
+
+def _sample_name(number: int, temperature: float, seed: int) -> str:
+    """A sampled answer's name in its cache key and record: its number among the prompt's samples, the temperature and
+    the seed."""
+    return f"{number}@T{temperature:g}:seed{seed}"
 
 
 def self_distill(
@@ -183,8 +197,12 @@ def self_distill(
     model_name: str = "",
     use_speculation: bool = True,
     progress: bool = True,
+    samples: int = 0,
+    temperature: float = 0.7,
+    seed: int = 0,
 ) -> list[list[int]]:
-    """Greedy answers of `model` to `prompts` (cached in `out_dir/self_distill.jsonl`); returns response token ids.
+    """Answers of `model` to `prompts` (cached in `out_dir/self_distill.jsonl`): each prompt's greedy answer, then
+    `samples` sampled ones per prompt; returns their response token ids, greedy answers first, in the prompts' order.
 
     Args:
         model (`PreTrainedModel`), tokenizer: the target and its tokenizer.
@@ -195,12 +213,20 @@ def self_distill(
         model_name (`str`, *optional*): part of the cache key.
         use_speculation (`bool`, *optional*, defaults to `True`): generate through hf-accel's engine with the
             context-only n-gram drafter (same greedy output, fewer target passes).
-        progress (`bool`, *optional*, defaults to `True`): a progress bar over the prompts still to answer.
+        progress (`bool`, *optional*, defaults to `True`): a progress bar over the answers still to generate.
+        samples (`int`, *optional*, defaults to 0): sampled answers per prompt, besides the greedy one.
+        temperature (`float`, *optional*, defaults to 0.7): their temperature (top-k and top-p off).
+        seed (`int`, *optional*, defaults to 0): their seed; with the same batches, a rerun samples the same answers
+            (a sampled batch is seeded with `seed` and its first answer's key, torch's global generator untouched).
     """
+    if samples < 0 or (samples and not (math.isfinite(temperature) and temperature > 0)):
+        raise ValueError(f"samples must be >= 0 and the temperature positive, got {samples} and {temperature}")
     cache_file = Path(out_dir) / SELF_DISTILL_CACHE
     records, num_lines = _read_self_distill_cache(cache_file)
     fingerprint, weights = answers_fingerprint(model), model_fingerprint(model)
-    keys = [_cache_key(model_name, p.text, max_new_tokens, adds_special_tokens(tokenizer, p)) for p in prompts]
+    names = [None] + [_sample_name(k, temperature, seed) for k in range(1, samples + 1)]
+    jobs = [(name, p) for name in names for p in prompts]  # greedy answers first: one `generate` mode per batch
+    keys = [_cache_key(model_name, p.text, max_new_tokens, adds_special_tokens(tokenizer, p), n) for n, p in jobs]
     # records written before fingerprints (no "model"), or before the generation config was part of them (this
     # model's weights-only fingerprint), are taken as this model's, and stamped so; another model's answers are
     # regenerated and replace them
@@ -208,7 +234,8 @@ def self_distill(
     for key in adopted:
         records[key]["model"] = fingerprint
     done = {k: r["tokens"] for k, r in records.items() if r.get("model", fingerprint) == fingerprint}
-    todo = sorted({k: p for k, p in zip(keys, prompts) if k not in done}.items(), key=lambda kp: len(kp[1].text))
+    todo = {k: job for k, job in zip(keys, jobs) if k not in done}
+    todo = sorted(todo.items(), key=lambda kj: (kj[1][0] is not None, len(kj[1][1].text)))
     # one record per key: readers of the file (heal corpora, simulations) take every line, so the file is rewritten
     # when records were stamped or are replaced, or a run killed while replacing some left duplicates, or (checked at
     # the end) another process sharing the cache appended answers to the same prompts while this one generated them
@@ -221,23 +248,30 @@ def self_distill(
         extra = {"custom_generate": custom_generate, "drafter": InfinigramDrafter(None)}
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
-    with progress_bar(total=len(todo), progress=progress, desc="self-distill", unit="prompt") as bar:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            inputs, pad_token_id = encode_prompts(tokenizer, [p for _, p in batch])
-            with torch.no_grad():
+    greedy = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    sampled = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    # a batch holds greedy or sampled answers, not both
+    modes = [[kj for kj in todo if (kj[1][0] is None) == greedy_mode] for greedy_mode in (True, False)]
+    batches = [part[i : i + batch_size] for part in modes for i in range(0, len(part), batch_size)]
+    with progress_bar(total=len(todo), progress=progress, desc="self-distill", unit="answer") as bar:
+        for batch in batches:
+            inputs, pad_token_id = encode_prompts(tokenizer, [p for _, (_, p) in batch])
+            sample = batch[0][1][0]
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(hashlib.sha256(f"{seed}\0{batch[0][0]}".encode()).hexdigest()[:8], 16))
                 generated = model.generate(
-                    **inputs, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None,
-                    top_p=None, pad_token_id=pad_token_id, **extra,
+                    **inputs, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                    **(greedy if sample is None else sampled), **extra,
                 )[:, inputs["input_ids"].shape[1] :]  # fmt: skip
             lines = []
-            for (key, prompt), row in zip(batch, generated.tolist()):
+            for (key, (sample, prompt)), row in zip(batch, generated.tolist()):
                 done[key] = _strip_after_eos(row, eos)
                 records[key] = {
                     "key": key,
                     "question_id": prompt.question_id,
                     "model": fingerprint,
                     "tokens": done[key],
+                    **({} if sample is None else {"sample": sample}),
                 }
                 lines.append(json.dumps(records[key]) + "\n")
             cache_file.parent.mkdir(parents=True, exist_ok=True)  # not before: a failed first batch leaves nothing
