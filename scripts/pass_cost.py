@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         "threads": torch.get_num_threads(),
         "ms": {str(n): round(v, 1) for n, v in ms.items()},
         "relative": {str(n): round(v / ms[1], 2) for n, v in ms.items()},
-        "engine_layout_rows": sorted(engine_layout.row_counts) if engine_layout is not None else [],
+        "engine_layout_rows": engine_layout.describe() if engine_layout is not None else {},
         "engine_ms": {str(n): round(v, 1) for n, v in engine_ms.items()},
         "engine_relative": {str(n): round(v / ms[1], 2) for n, v in engine_ms.items()},  # to plain decoding's step
         "head_ms": {str(n): round(v, 1) for n, v in head_ms.items()},

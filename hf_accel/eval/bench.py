@@ -297,10 +297,10 @@ def bench_generate(
     }
 
 
-def _layout_rows(model) -> list[int]:
-    """The row counts the engine's passes ran in the `(W·xᵀ)ᵀ` layout in this process (`kernels.cpu_linear`; its
-    measurement is cached, so this reads what the runs used); `[]` where none did."""
+def _layout_rows(model) -> dict[str, list[int]]:
+    """The row counts the engine's passes ran in the `(W·xᵀ)ᵀ` layout in this process, per weight shape
+    (`kernels.cpu_linear`; its measurement is cached, so this reads what the runs used); `{}` where none did."""
     from ..speculative import engine
 
     layout = engine.verification_layout(model)
-    return sorted(layout.row_counts) if layout is not None else []
+    return layout.describe() if layout is not None else {}

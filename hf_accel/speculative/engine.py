@@ -697,8 +697,8 @@ class SpeculativeEngine:
     def _attention_mask(self, state, ancestors, node_valid, key_positions, drafted: bool):
         """The pass's attention mask: the tree mask, windowed by position for sliding-window layers."""
         if self.window is None and not drafted:
-            # No draft: exactly `generate`'s decoding step (2D mask, or none without padding/holes): same kernels,
-            # same cost, same logits as plain decoding.
+            # No draft: exactly `generate`'s decoding step (2D mask, or none without padding/holes), with the GEMM
+            # layout measured for one row (`kernels.cpu_linear`: on CPU one row may run as two, a matrix product).
             return None if bool(state.past_mask.all()) else torch.cat([state.past_mask, node_valid], 1).long()
         return self._tree_mask(ancestors, state.past_mask, key_positions)
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -31,7 +32,8 @@ def test_bench_generate_reports_design_keys(default_model):
     assert {k: result[k] for k in ("do_sample", "temperature", "seed", "pld_tokens")} == {
         "do_sample": False, "temperature": None, "seed": 0, "pld_tokens": 10
     }  # fmt: skip
-    assert set(result["engine_linear_layout_rows"]) <= {2, 4, 8, 16, 32}  # what the engine's passes ran in
+    layout = result["engine_linear_layout_rows"]  # what the engine's passes ran in, per weight shape
+    assert all(re.fullmatch(r"\d+x\d+", shape) and set(rows) <= {1, 2, 4, 8, 16, 32} for shape, rows in layout.items())
 
 
 def test_batches_span_categories_and_split_by_generated_tokens():
