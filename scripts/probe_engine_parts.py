@@ -3,8 +3,9 @@ show what each contributes to a speedup. Vanilla `generate` is never affected.
 
 Parts (several, comma-separated):
 - `plain-layout`: every pass in `x·Wᵀ`, as before the engine measured GEMM layouts (and as plain `generate` runs);
-  `transposed-layout`: every pass of 2-32 rows in `(W·xᵀ)ᵀ`, whatever the measurement says
-  (`hf_accel.kernels.cpu_linear`).
+  `transposed-layout`: every pass of 1-32 rows in `(W·xᵀ)ᵀ`, whatever the measurement says
+  (`hf_accel.kernels.cpu_linear`); `no-one-row`: the measured layout, but one-row products (a pass without a draft at
+  batch 1) in `x·Wᵀ`, a matrix-vector product as in plain decoding (as before session 28).
 - `no-gqa-packing`: verification passes copy the cached keys and values once per query head, as transformers' `sdpa`
   attention does for several masked queries (`hf_accel.kernels.gqa_attention`).
 - `no-grouped-prefill`: a ragged batch is prefilled in one batched pass over its padding, as `generate` does
@@ -32,6 +33,17 @@ def _layout(choose):
     return force
 
 
+def _no_one_row():
+    measured = engine.verification_layout
+
+    def choose(model):
+        layout = measured(model)
+        rows = {shape: counts - {1} for shape, counts in layout.row_counts.items()} if layout is not None else {}
+        return cpu_linear.TransposedLinear(model, rows) if any(rows.values()) else None
+
+    engine.verification_layout = choose
+
+
 def _no_gqa_packing():
     engine.packed_gqa_attention = contextlib.nullcontext  # `verification_pass` enters it around every pass
 
@@ -43,6 +55,7 @@ def _no_grouped_prefill():
 PARTS = {
     "plain-layout": _layout(lambda model: None),
     "transposed-layout": _layout(lambda model: cpu_linear.TransposedLinear(model, cpu_linear.ROW_GRID)),
+    "no-one-row": _no_one_row,
     "no-gqa-packing": _no_gqa_packing,
     "no-grouped-prefill": _no_grouped_prefill,
 }
@@ -50,7 +63,8 @@ PARTS = {
 
 def main(argv: list[str]) -> int:
     parts = argv[0].split(",") if argv else []
-    if len(argv) < 2 or not set(parts) <= set(PARTS) or {"plain-layout", "transposed-layout"} <= set(parts):
+    layouts = {"plain-layout", "transposed-layout", "no-one-row"}
+    if len(argv) < 2 or not set(parts) <= set(PARTS) or len(layouts & set(parts)) > 1:
         print(
             f"usage: probe_engine_parts.py PART[,PART...] (hf-accel ARGS... | SCRIPT.py ARGS...); parts: "
             f"{', '.join(PARTS)} (one layout at most)",

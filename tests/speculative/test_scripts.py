@@ -293,7 +293,14 @@ def test_probe_half_precision_flips_ignores_the_padding_after_a_rows_eos(monkeyp
 
 @pytest.mark.parametrize(
     "parts",
-    ["plain-layout", "transposed-layout", "no-gqa-packing", "no-grouped-prefill", "transposed-layout,no-gqa-packing"],
+    [
+        "plain-layout",
+        "transposed-layout",
+        "no-one-row",
+        "no-gqa-packing",
+        "no-grouped-prefill",
+        "transposed-layout,no-gqa-packing",
+    ],
 )
 def test_the_engine_parts_probe_forces_each_part(tiny_loaded, capsys, monkeypatch, parts):
     from hf_accel.kernels import gqa_attention
@@ -304,8 +311,14 @@ def test_the_engine_parts_probe_forces_each_part(tiny_loaded, capsys, monkeypatc
                          (prefill, "PASS_OVERHEAD_TOKENS")]:  # fmt: skip
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     measured = engine.verification_layout
+    if parts == "no-one-row":  # a measurement that took every count, one row too
+        from hf_accel.kernels import cpu_linear
+
+        monkeypatch.setattr(
+            cpu_linear, "transposed_row_counts", lambda ws: {cpu_linear.shape_key(w): frozenset(ROW_GRID) for w in ws}
+        )
     main = run_script("probe_engine_parts.py")["main"]
-    for bad in ("sideways", "plain-layout,transposed-layout"):
+    for bad in ("sideways", "plain-layout,transposed-layout", "no-one-row,transposed-layout"):
         assert main([bad, "scripts/pass_cost.py"]) == 2 and "usage" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:  # the script's own `sys.exit(main())`
         main([parts, str(SCRIPTS / "pass_cost.py"), "--tokens", "2", "--context", "8", "--repeats", "1"])
@@ -322,6 +335,9 @@ def test_the_engine_parts_probe_forces_each_part(tiny_loaded, capsys, monkeypatc
         assert chosen is None
     elif "transposed-layout" in parts:
         assert set(chosen.row_counts.values()) == {frozenset(ROW_GRID)}
+    elif "no-one-row" in parts:  # the measured counts, one row left out
+        assert set(chosen.row_counts.values()) == {frozenset(ROW_GRID) - {1}}
+        assert set(map(tuple, report["engine_layout_rows"].values())) == {tuple(ROW_GRID[1:])}
     else:
         assert engine.verification_layout is measured
     assert (engine.packed_gqa_attention is contextlib.nullcontext) == ("no-gqa-packing" in parts)
