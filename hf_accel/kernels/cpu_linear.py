@@ -85,7 +85,7 @@ class TransposedLinear:
             if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
         ]
         if not isinstance(row_counts, dict):
-            row_counts = dict.fromkeys({shape_key(m.weight) for m in self.layers}, row_counts)
+            row_counts = dict.fromkeys({shape_key(m.weight) for m in self.layers}, frozenset(row_counts))
         self.row_counts = {shape: frozenset(rows) for shape, rows in row_counts.items() if rows}
         # every row count each shape's layers take, resolved once: a pass calls `_forward` once per layer
         self.routed_rows = {

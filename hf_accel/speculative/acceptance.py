@@ -142,12 +142,18 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Lon
         uniforms (`torch.Tensor` of shape `(K,)`): numbers in `[0, 1)`.
 
     Returns:
-        `torch.LongTensor` of shape `(K,)`. For `u` uniform, token `i` comes with probability `p_i / sum(p)`; a token of
-        probability zero is never picked (its `cdf` equals the one before it). The sum runs in float64.
+        `torch.LongTensor` of shape `(K,)` on `probs`' device. For `u` uniform, token `i` comes with probability
+        `p_i / sum(p)`; a token of probability zero is never picked (its `cdf` equals the one before it). The sum runs
+        in float64 on the CPU (MPS has no float64). A row that sums to zero, infinity or NaN raises, as
+        `torch.multinomial` does in plain `generate`.
     """
-    cdf = probs.double().cumsum(-1)
-    targets = uniforms.to(cdf)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    cdf = probs.detach().to("cpu", torch.float64).cumsum(-1)
+    totals = cdf[:, -1]
+    if not bool((totals.isfinite() & (totals > 0)).all()):
+        raise ValueError("probability tensor contains either `inf`, `nan` or sums to zero: nothing to sample from")
+    targets = uniforms.to(cdf)[:, None] * totals[:, None]
+    tokens = torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    return tokens.to(probs.device)
 
 
 def position_samples(scores: torch.Tensor, seed: int, rows: list[int], positions: list[int]) -> torch.LongTensor:
@@ -161,7 +167,7 @@ def position_samples(scores: torch.Tensor, seed: int, rows: list[int], positions
     sized its trees.
     """
     uniforms = torch.tensor([position_uniform(seed, r, p) for r, p in zip(rows, positions)], dtype=torch.float64)
-    return inverse_cdf_sample(torch.softmax(scores.float(), dim=-1), uniforms.to(scores.device))
+    return inverse_cdf_sample(torch.softmax(scores.float(), dim=-1), uniforms)
 
 
 def accept_by_picks(

@@ -64,19 +64,24 @@ class PassCostModel:
         self.window, self.min_samples = window, min_samples
         self.adaptive = adaptive
         self.observed: dict[int, deque] = {}
+        self._estimates = None  # `estimates()` until the next observation: a tree's width asks `cost` 17 times
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if not self.adaptive or seconds <= 0:
             return
         self.observed.setdefault(num_tokens, deque(maxlen=self.window)).append(seconds)
+        self._estimates = None
 
     def estimates(self) -> dict[int, float]:
         """The median time of each token count with [`min_samples`] times (of every count observed, while none has)."""
-        # a snapshot: a drafter serving `generate` calls in several threads observes a new pass size meanwhile, and
-        # a scan failed with 'dictionary changed size during iteration'
-        times = {n: list(t) for n, t in self.observed.copy().items()}
-        settled = {n: t for n, t in times.items() if len(t) >= self.min_samples}
-        return {n: statistics.median(t) for n, t in (settled or times).items() if t}
+        estimates = self._estimates
+        if estimates is None:
+            # a snapshot: a drafter serving `generate` calls in several threads observes a new pass size meanwhile,
+            # and a scan failed with 'dictionary changed size during iteration'
+            times = {n: list(t) for n, t in self.observed.copy().items()}
+            settled = {n: t for n, t in times.items() if len(t) >= self.min_samples}
+            estimates = self._estimates = {n: statistics.median(t) for n, t in (settled or times).items() if t}
+        return estimates
 
     def cost(self, num_tokens: int) -> float:
         """Estimated cost (seconds once anything was observed, default units before)."""

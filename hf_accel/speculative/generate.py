@@ -483,7 +483,8 @@ def assisted_generate(
     )
     if generation_config.do_sample:
         # transformers samples every candidate position of a pass at once, so the randomness a pass takes from torch's
-        # generator depends on the draft's length: sample per position instead, by a greedy pick of the noised scores
+        # generator depends on the draft's length: sample per position instead, the loop's greedy pick taking the
+        # one token `_PositionSampling` leaves finite
         padding = int((prompt_mask[0] == 0).sum())
         logits_processor = LogitsProcessorList([*(logits_processor or []), _PositionSampling(padding)])
         generation_config = copy.copy(generation_config)

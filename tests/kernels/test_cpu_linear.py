@@ -78,6 +78,8 @@ def test_the_layout_routes_only_float32_cpu_calls_on_its_row_counts(monkeypatch)
             first(torch.ones(1, 6)), first(torch.ones(2, 6)), other(torch.ones(1, 6)), other(torch.ones(2, 6))
         with TransposedLinear(model, {"5x6": {2}}):  # a shape not named is never routed
             assert "forward" not in first.__dict__ and "forward" in other.__dict__
+        # one collection for every shape, even an iterator (read once, not used up by the first shape)
+        assert TransposedLinear(model, iter((1, 2))).describe() == {"4x6": [1, 2], "5x6": [1, 2]}
     assert routed == [3, 5, 32, 4, 1, 2]
     for out, ref in zip(got, expected):
         torch.testing.assert_close(out, ref)

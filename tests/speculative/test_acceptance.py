@@ -79,6 +79,10 @@ def test_inverse_cdf_sample_at_the_boundaries_and_on_zero_probabilities():
     assert inverse_cdf_sample(p, u).tolist() == [1, 1, 3, 3, 3, 3]
     # unnormalised rows: the same picks as normalised ones
     assert inverse_cdf_sample(p * 7, u).tolist() == [1, 1, 3, 3, 3, 3]
+    # nothing to sample from: an error, as `torch.multinomial` gives in plain `generate`, not the last token
+    for bad in (torch.zeros(1, 5), torch.tensor([[0.5, float("nan"), 0.5]]), torch.tensor([[1.0, float("inf")]])):
+        with pytest.raises(ValueError, match="nothing to sample from"):
+            inverse_cdf_sample(bad, torch.tensor([0.5]))
 
 
 def test_position_samples_sample_the_softmax():
@@ -90,6 +94,13 @@ def test_position_samples_sample_the_softmax():
     tokens = position_samples(p.log().expand(n, -1), 3, [k % 5 for k in range(n)], [k // 5 for k in range(n)])
     freq = torch.bincount(tokens, minlength=len(p)) / n
     assert freq[4] == 0 and 0.5 * (freq - p).abs().sum() < 0.015, freq  # sampling noise ~0.005
+
+
+def _root_path(parent: list[int], node: int) -> list[int]:
+    path = [node]
+    while parent[path[-1]] >= 0:
+        path.append(parent[path[-1]])
+    return path
 
 
 def _random_tree(rng, num_nodes: int, vocab: int) -> tuple[list[int], list[int]]:
@@ -125,8 +136,9 @@ def test_accept_by_picks_equals_greedy_accept_and_picks_only_the_accepted_nodes(
             torch.tensor([valid]),
         )
         assert path == path_mask[0].nonzero().flatten().tolist() and bonus == expected_bonus.item()
-        accepted = {0} | {c for c in range(1, n) if valid[c] and tree_ids[c] == picks[parent[c]]}
-        assert len(asked) == len(set(asked)) and set(asked) <= accepted
+        matches = [True] + [valid[c] and tree_ids[c] == picks[parent[c]] for c in range(1, n)]
+        on_accepted_paths = {c for c in range(n) if all(matches[a] for a in _root_path(parent, c))}
+        assert len(asked) == len(set(asked)) and set(asked) <= on_accepted_paths
 
 
 def test_sampling_never_tries_a_padding_node():

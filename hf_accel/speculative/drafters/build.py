@@ -5,10 +5,9 @@ greedily and indexes its responses. Ambiguities (B.11 item 3) resolved here: gre
 prompt and chat template are not indexed: the prompt is in the context at drafting time anyway), prompts rendered and
 tokenized as the benchmark does (`hf_accel.eval.prompts`: a raw prompt with the tokenizer's BOS, if it adds one),
 generation stops at EOS or `max_new_tokens` (default 256). `samples=N` adds N answers per prompt sampled at
-`temperature` (top-k and top-p off, as `bench generate --temperature` samples): an index for sampled decoding, whose
-text leaves the greedy answer's path, is better matched by the model's sampled answers (issue 6's simulation over
-sampled HumanEval answers: 2.13 tokens per pass with the greedy answers indexed, 2.22 with one sampled answer each
-added).
+`temperature` (top-k and top-p off, as `bench generate --temperature` samples): sampled decoding leaves the greedy
+answer's path, and the model's sampled answers match it better (the README's "Session 28" measures the shipped
+`code-build` index, built so).
 
 Generation is batched (prompts sorted by length to limit padding), cached and resumable: every finished answer is
 appended to `<out>/self_distill.jsonl` keyed by prompt text (and whether the tokenizer added its BOS), model name and
@@ -184,7 +183,7 @@ def _cache_key(
 def _sample_name(number: int, temperature: float, seed: int) -> str:
     """A sampled answer's name in its cache key and record: its number among the prompt's samples, the temperature and
     the seed."""
-    return f"{number}@T{temperature:g}:seed{seed}"
+    return f"{number}@T{float(temperature)!r}:seed{seed}"  # every digit: 0.7 and 0.70000001 are two caches
 
 
 def self_distill(
@@ -216,8 +215,11 @@ def self_distill(
         progress (`bool`, *optional*, defaults to `True`): a progress bar over the answers still to generate.
         samples (`int`, *optional*, defaults to 0): sampled answers per prompt, besides the greedy one.
         temperature (`float`, *optional*, defaults to 0.7): their temperature (top-k and top-p off).
-        seed (`int`, *optional*, defaults to 0): their seed; with the same batches, a rerun samples the same answers
-            (a sampled batch is seeded with `seed` and its first answer's key, torch's global generator untouched).
+        seed (`int`, *optional*, defaults to 0): their seed. A sampled batch seeds torch's CPU generator with `seed`
+            and its first answer's key (and restores it after; not safe against another thread drawing from it
+            meanwhile), and the engine samples each row's positions from that: a rerun with the same batches (batch
+            size, answers already cached) samples the same answers, other batches other, equally valid ones. Without
+            speculation on an accelerator, plain `generate` samples from the device's generator, which is not seeded.
     """
     if samples < 0 or (samples and not (math.isfinite(temperature) and temperature > 0)):
         raise ValueError(f"samples must be >= 0 and the temperature positive, got {samples} and {temperature}")
@@ -258,7 +260,11 @@ def self_distill(
             inputs, pad_token_id = encode_prompts(tokenizer, [p for _, (_, p) in batch])
             sample = batch[0][1][0]
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(hashlib.sha256(f"{seed}\0{batch[0][0]}".encode()).hexdigest()[:8], 16))
+                # the CPU generator alone, which the engine draws its sampling seed from (`manual_seed` would reseed
+                # the accelerators' generators too, which `fork_rng(devices=[])` does not restore)
+                torch.default_generator.manual_seed(
+                    int(hashlib.sha256(f"{seed}\0{batch[0][0]}".encode()).hexdigest()[:8], 16)
+                )
                 generated = model.generate(
                     **inputs, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
                     **(greedy if sample is None else sampled), **extra,
