@@ -10,6 +10,8 @@ Parts (several, comma-separated):
   attention does for several masked queries (`hf_accel.kernels.gqa_attention`).
 - `no-grouped-prefill`: a ragged batch is prefilled in one batched pass over its padding, as `generate` does
   (`hf_accel.speculative.prefill`).
+- `no-drafts`: the `ngram` drafter proposes nothing, so every pass is a plain decoding step in the engine's own
+  layout, attention and prefill: what the engine saves without speculating.
 
 Usage:
     python scripts/probe_engine_parts.py plain-layout hf-accel bench generate --prompts humaneval --offset 100 \\
@@ -23,6 +25,7 @@ import sys
 
 from hf_accel.kernels import cpu_linear
 from hf_accel.speculative import engine, prefill
+from hf_accel.speculative.drafters.infinigram import InfinigramDrafter
 
 
 # The engine (and scripts/pass_cost.py through it) looks these names up in its own module when a call or pass starts.
@@ -44,6 +47,10 @@ def _no_one_row():
     engine.verification_layout = choose
 
 
+def _no_drafts():
+    InfinigramDrafter.propose = lambda self, request: None
+
+
 def _no_gqa_packing():
     engine.packed_gqa_attention = contextlib.nullcontext  # `verification_pass` enters it around every pass
 
@@ -58,6 +65,7 @@ PARTS = {
     "no-one-row": _no_one_row,
     "no-gqa-packing": _no_gqa_packing,
     "no-grouped-prefill": _no_grouped_prefill,
+    "no-drafts": _no_drafts,
 }
 
 

@@ -299,6 +299,7 @@ def test_probe_half_precision_flips_ignores_the_padding_after_a_rows_eos(monkeyp
         "no-one-row",
         "no-gqa-packing",
         "no-grouped-prefill",
+        "no-drafts",
         "transposed-layout,no-gqa-packing",
     ],
 )
@@ -306,10 +307,12 @@ def test_the_engine_parts_probe_forces_each_part(tiny_loaded, capsys, monkeypatc
     from hf_accel.kernels import gqa_attention
     from hf_accel.kernels.cpu_linear import ROW_GRID
     from hf_accel.speculative import engine, prefill
+    from hf_accel.speculative.drafters.infinigram import InfinigramDrafter
 
     for module, name in [(engine, "verification_layout"), (engine, "packed_gqa_attention"),
-                         (prefill, "PASS_OVERHEAD_TOKENS")]:  # fmt: skip
+                         (prefill, "PASS_OVERHEAD_TOKENS"), (InfinigramDrafter, "propose")]:  # fmt: skip
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    proposes = InfinigramDrafter.propose
     measured = engine.verification_layout
     if parts == "no-one-row":  # a measurement that took every count, one row too
         from hf_accel.kernels import cpu_linear
@@ -343,3 +346,9 @@ def test_the_engine_parts_probe_forces_each_part(tiny_loaded, capsys, monkeypatc
     assert (engine.packed_gqa_attention is contextlib.nullcontext) == ("no-gqa-packing" in parts)
     assert gqa_attention.packed_gqa_attention is not contextlib.nullcontext  # the engine's name alone is patched
     assert prefill.PASS_OVERHEAD_TOKENS == ({} if "no-grouped-prefill" in parts else {"cpu": 32})
+    drafter = InfinigramDrafter(None)
+    request = None  # a drafter with no drafts answers without reading it
+    if "no-drafts" in parts:
+        assert drafter.propose(request) is None
+    else:
+        assert InfinigramDrafter.propose is proposes
