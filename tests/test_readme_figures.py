@@ -94,6 +94,15 @@ def test_the_palu_table_gives_every_bit_width_with_and_without_the_rotation():
     assert care == {kv: _palu_cell(records[None, "care", kv, False, 0]) for kv in (0.75, 0.5)}
 
 
+SESSION_27_RUNS = [
+    "he_b8_greedy", "chat_b8_greedy", "he_b1_greedy", "chat_b1_greedy", "he_b8_greedy_run2", "he_b8_t07",
+    "chat_b8_t07", "chat_b1_t07", "he_b1_t07",
+]  # fmt: skip
+SESSION_28_RUNS = [
+    "he_b1_t07", "he_b1_greedy", "he_b8_greedy", "chat_b8_greedy", "chat_b1_greedy", "he_b8_t07", "chat_b8_t07",
+    "chat_b1_t07", "he_b1_t07_no_one_row", "he_b8_greedy_no_drafts", "chat_b8_t07_no_drafts",
+]  # fmt: skip
+
 GENERATION_TABLES = {
     # method column of the header: (JSON prefix under docs/speculative/, runs in table order)
     # session 25: `pld` beside `ngram` at batch 1 and 8, greedy and at T = 0.7, the cells no other table had
@@ -105,20 +114,9 @@ GENERATION_TABLES = {
         ["he_b1_greedy", "he_b1_greedy_run2", "chat_b1_greedy", "he_b8_greedy", "chat_b8_greedy"],
     ),
     # session 27: the grouped prefill and packed grouped-query attention
-    "method (session 27)": (
-        "v11",
-        [
-            "he_b8_greedy",
-            "chat_b8_greedy",
-            "he_b1_greedy",
-            "chat_b1_greedy",
-            "he_b8_greedy_run2",
-            "he_b8_t07",
-            "chat_b8_t07",
-            "chat_b1_t07",
-            "he_b1_t07",
-        ],
-    ),
+    "method (session 27)": ("v11", SESSION_27_RUNS),
+    # session 28: sampling along the accepted path, per-shape GEMM layout, the sampled code-build index; controls last
+    "method (session 28)": ("v12", SESSION_28_RUNS),
 }
 
 
@@ -155,24 +153,32 @@ def test_each_generation_table_gives_its_json_records_figures(method_column):
     assert got == expected
 
 
-def test_the_session_27_time_split_gives_its_json_records_figures():
-    """Issue 6, session 27: each run's wall time, prefill time and speedup after the prefill, with the GEMM layout's
-    row counts of its process, in the order of the runs (the control after the greedy ones)."""
-    runs = ["he_b8_greedy", "chat_b8_greedy", "he_b1_greedy", "chat_b1_greedy", "he_b8_greedy_run2",
-            "he_b8_greedy_no_gqa_packing", "he_b8_t07", "chat_b8_t07", "chat_b1_t07", "he_b1_t07"]  # fmt: skip
+# session: (JSON prefix, runs in table order); session 27's control after the second HumanEval batch-8 run
+TIME_SPLITS = {27: ("v11", [*SESSION_27_RUNS[:5], "he_b8_greedy_no_gqa_packing", *SESSION_27_RUNS[5:]]),
+               28: ("v12", SESSION_28_RUNS)}  # fmt: skip
+
+
+@pytest.mark.parametrize("session", list(TIME_SPLITS))
+def test_each_time_split_gives_its_json_records_figures(session):
+    """Issue 6, sessions 27 and 28: each run's wall time, prefill time and speedup after the prefill (session 27 with
+    the GEMM layout's row counts of its process; session 28's are per weight shape, in the records), in run order."""
+    prefix, runs = TIME_SPLITS[session]
+    layout = session == 27
     expected = _records_figures(
-        "v11",
+        prefix,
         runs,
         lambda record, figures: (
             record["batch_size"],
             round(figures["seconds"], 1),
             round(figures["prefill_seconds"], 1),
             round(figures["decode_speedup"], 2),
-            record["engine_linear_layout_rows"],
+            *([record["engine_linear_layout_rows"]] if layout else []),
         ),
     )
-    rows = _table(
-        "| prompts | batch | decoding | method (session 27) | seconds | prefill s | decode speedup | layout rows |"
-    )
-    got = [(int(r[1]), *(_numbers(c)[0] for c in r[4:7]), [int(n) for n in _numbers(r[7])]) for r in rows]
+    header = f"| prompts | batch | decoding | method (session {session}) | seconds | prefill s | decode speedup |"
+    rows = _table(header + (" layout rows |" if layout else ""))
+    got = [
+        (int(r[1]), *(_numbers(c)[0] for c in r[4:7]), *([[int(n) for n in _numbers(r[7])]] if layout else []))
+        for r in rows
+    ]
     assert got == expected
