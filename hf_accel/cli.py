@@ -91,7 +91,24 @@ def placement_record(args) -> dict:
     record = {"device": args.device, "dtype": args.dtype}
     if torch.device(args.device).type == "cuda":
         record["device_name"] = torch.cuda.get_device_name(torch.device(args.device))
+    elif torch.device(args.device).type == "cpu":
+        record.update(device_name=cpu_name(), threads=torch.get_num_threads())
     return record
+
+
+def cpu_name() -> str:
+    """The CPU's model name as the OS gives it (`/proc/cpuinfo`'s `model name` on Linux), else `platform`'s."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def strict_json(obj, indent: int | None = None) -> str:

@@ -125,6 +125,24 @@ def test_factors_a_float16_original_cannot_hold_are_refused_not_saved_as_inf(con
     assert not (tmp_path / "out").exists()
 
 
+def test_a_cpu_figure_names_its_cpu_and_thread_count(tmp_path, capsys, monkeypatch):
+    """Speeds and perplexities are figures of one machine: the JSON names the CPU (as the OS does) and the threads."""
+    import platform
+
+    from hf_accel import cli
+
+    model_dir = write_tiny_llama(tmp_path / "tiny")
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be: that is the question. " * 8)
+    record = _ppl(model_dir, text, capsys)
+    assert record["device_name"] == cli.cpu_name() and record["threads"] == torch.get_num_threads()
+    assert cli.cpu_name() and cli.cpu_name() != "unknown CPU"
+    monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert cli.cpu_name() == "x86_64"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_commands_on_a_gpu_give_the_cpu_figures(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
