@@ -37,4 +37,10 @@ def _run_heal(args: argparse.Namespace) -> int:
         result = run_healing(healing_args)
     if healing_args.process_index == 0:
         print_json(result.summary)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # torch asks for this before exit; left to interpreter teardown, a torchrun worker of the two-process test
+        # once aborted there ("terminate called without an active exception") under a loaded machine
+        dist.destroy_process_group()
     return 0
