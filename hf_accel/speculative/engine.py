@@ -814,12 +814,11 @@ class SpeculativeEngine:
         num_nodes = tree_ids.shape[1]
         if self.do_sample and tree.draft_probs is None:
             paths, bonus = [], []
-            positions = out_positions.tolist()
-            for b, row in enumerate(rows.tolist()):
+            for b in range(tree_ids.shape[0]):
 
-                def pick(node, b=b, row=row):
+                def pick(node, b=b):
                     return int(
-                        position_samples(scores[b, node : node + 1], self.noise_seed, [row], [positions[b][node]])
+                        self._pick(scores[b, node : node + 1], rows[b : b + 1], out_positions[b, node : node + 1])
                     )
 
                 path, token = accept_by_picks(tree_ids[b].tolist(), parent[b].tolist(), pick, node_valid[b].tolist())
