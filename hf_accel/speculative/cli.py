@@ -116,7 +116,7 @@ def _run_build(args) -> int:
         )  # fmt: skip
         documents.append(pieces_within_vocabulary(answers, vocab_size))
         generation_s += time.perf_counter() - tic
-        sampled = f":samples={args.samples}@T{args.temperature:g}:seed={args.seed}" if args.samples else ""
+        sampled = f":samples={args.samples}@T{float(args.temperature)!r}:seed={args.seed}" if args.samples else ""
         sources.append(
             f"self-distill:{published_name(name)}:offset={offset}:limit={limit}:max_new={args.max_new_tokens}{sampled}"
         )
