@@ -3,12 +3,14 @@
     python scripts/bench_palu.py                      # human table (Markdown)
     python scripts/bench_palu.py --json               # one JSON object
     python scripts/bench_palu.py --group-sizes 3 --kv-keeps 0.5 --eval-tokens 4096
+    python scripts/bench_palu.py --compare-ranks --generated-samples 64 --ranks uniform fisher kfac --json
 
 Calibration: the first 90 % of tinyshakespeare (random windows), plus with `--calib-generated-samples N` N sequences
 the model samples on its calibration prompts (CARE's mixed calibration); evaluation: its last 10 % (held out), and
 with `--generated-samples N` also N held-out sequences sampled from the original model on CARE's held-out prompts.
 `--care-methods care` adds CARE conversions at the same budgets, from the same calibration and evaluation. Grid: group sizes × uniform/Fisher
-ranks × kv-keep, each unquantized and at 2/3/4 bits, with and without the Walsh–Hadamard rotation.
+ranks × kv-keep, each unquantized and at 2/3/4 bits, with and without the Walsh–Hadamard rotation. With
+`--compare-ranks`: float latents only, each rank method against uniform on the same rows, with paired intervals.
 """
 
 import argparse
@@ -18,7 +20,13 @@ from pathlib import Path
 
 from hf_accel.cli import OneLineErrorParser, print_json
 from hf_accel.compress.care import METHODS as CARE_METHODS
-from hf_accel.eval.palu_quality import PaluBenchConfig, format_palu_table, run_palu_quality_benchmark
+from hf_accel.eval.palu_quality import (
+    PaluBenchConfig,
+    compare_rank_methods,
+    format_palu_table,
+    format_rank_comparison,
+    run_palu_quality_benchmark,
+)
 from hf_accel.loading import load_model_and_tokenizer
 
 
@@ -31,6 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--text", default=str(SHAKESPEARE), help="text file: calibration 90 %%, evaluation 10 %%")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--compare-ranks", action="store_true",
+        help="instead of the grid: float latents only, each rank method against uniform with paired 95%% intervals "
+        "on the held-out text, the held-out generated text and the calibration rows",
+    )  # fmt: skip
     parser.add_argument("--group-sizes", type=int, nargs="+", default=list(d.group_sizes))
     parser.add_argument("--ranks", nargs="+", default=list(d.rank_methods), choices=["uniform", "fisher", "kfac"])
     parser.add_argument("--kv-keeps", type=float, nargs="+", default=list(d.kv_keeps))
@@ -88,12 +101,17 @@ def main(argv=None) -> int:
         seed=args.seed,
     )
     model, tokenizer = load_model_and_tokenizer(args.model)
-    report = run_palu_quality_benchmark(model, tokenizer, text[:split], text[split:], config, progress=not args.json)
+    run, table = (
+        (compare_rank_methods, format_rank_comparison)
+        if args.compare_ranks
+        else (run_palu_quality_benchmark, format_palu_table)
+    )
+    report = run(model, tokenizer, text[:split], text[split:], config, progress=not args.json)
     report["model"] = args.model
     if args.json:
         print_json(report)
     else:
-        print(format_palu_table(report))
+        print(table(report))
         print(json.dumps({"timings": report["timings"], "settings": report["settings"]}))
     return 0
 

@@ -26,7 +26,14 @@ from tqdm.auto import tqdm
 
 from ..log import progress_bar
 from .memory import measure_cache_bytes_per_token
-from .perplexity import compute_perplexity, perplexity_on_ids, split_windows
+from .perplexity import (
+    compute_perplexity,
+    nll_to_ppl,
+    paired_nll_difference,
+    perplexity_on_ids,
+    row_nlls,
+    split_windows,
+)
 
 
 @dataclass
@@ -164,48 +171,24 @@ def _windowed_rows(model, palu, bits_list, config, text_rows, generated, long_pr
     return rows
 
 
-def run_palu_quality_benchmark(
-    model,
-    tokenizer,
-    calibration_text: str,
-    held_out_text: str,
-    config: PaluBenchConfig | None = None,
-    progress: bool = True,
-) -> dict:
-    """
-    Convert and evaluate every configuration of `config`; returns `{"base": row, "rows": [row, ...], "settings"}`.
-
-    Args:
-        model, tokenizer: the original model (float32) and its tokenizer.
-        calibration_text (`str`): text for the whitening moments and Fisher scores.
-        held_out_text (`str`): evaluation text, disjoint from the calibration text.
-        config ([`PaluBenchConfig`], *optional*): the grid and sizes.
-    """
+def _calibrate(model, tokenizer, calibration_text: str, config: PaluBenchConfig, with_output_grads: bool, progress):
+    """What every row shares: the calibration ids (text windows, then generated sequences), their moments, the Fisher
+    scores, the held-out generated rows (or `None`) and the timings of each step."""
     from ..compress.calibration import (
         EVAL_PROMPTS,
         collect_kv_calibration,
         generate_calibration_ids,
         mixed_calibration_ids,
     )
-    from ..compress.care import convert_care
     from ..compress.fisher import collect_fisher_scores
-    from ..compress.palu import convert_palu
 
-    config = config or PaluBenchConfig()
-    _check_residual_lengths(config)
-    _check_conversions(config)
     timings = {}
     start = time.perf_counter()
     ids = mixed_calibration_ids(
         model, tokenizer, calibration_text, config.calib_samples, config.calib_generated_samples,
         config.calib_seq_len, seed=config.seed,
     )  # fmt: skip
-    calibration = collect_kv_calibration(
-        model,
-        ids,
-        with_output_grads=bool(config.care_methods) or "kfac" in config.rank_methods,
-        progress=progress,
-    )
+    calibration = collect_kv_calibration(model, ids, with_output_grads=with_output_grads, progress=progress)
     timings["calibration_s"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
     fisher = collect_fisher_scores(model, fisher_rows(ids, config), progress=progress)
@@ -224,6 +207,36 @@ def run_palu_quality_benchmark(
             progress=progress,
         )
         timings["generation_s"] = round(time.perf_counter() - start, 1)
+    return ids, calibration, fisher, generated, timings
+
+
+def run_palu_quality_benchmark(
+    model,
+    tokenizer,
+    calibration_text: str,
+    held_out_text: str,
+    config: PaluBenchConfig | None = None,
+    progress: bool = True,
+) -> dict:
+    """
+    Convert and evaluate every configuration of `config`; returns `{"base": row, "rows": [row, ...], "settings"}`.
+
+    Args:
+        model, tokenizer: the original model (float32) and its tokenizer.
+        calibration_text (`str`): text for the whitening moments and Fisher scores.
+        held_out_text (`str`): evaluation text, disjoint from the calibration text.
+        config ([`PaluBenchConfig`], *optional*): the grid and sizes.
+    """
+    from ..compress.care import convert_care
+    from ..compress.palu import convert_palu
+
+    config = config or PaluBenchConfig()
+    _check_residual_lengths(config)
+    _check_conversions(config)
+    kfac = bool(config.care_methods) or "kfac" in config.rank_methods
+    ids, calibration, fisher, generated, timings = _calibrate(
+        model, tokenizer, calibration_text, config, kfac, progress
+    )
     probe_ids = ids[:2, :64]
     long_probe = ids.reshape(1, -1)[:, : config.window_bytes_context]
     text_rows = _full_windows(tokenizer, held_out_text, config) if config.residual_lengths else None
@@ -282,6 +295,87 @@ def run_palu_quality_benchmark(
             if progress:
                 tqdm.write(json.dumps(row), file=sys.stderr)
     return {"base": base, "rows": rows, "timings": timings, "settings": dict(vars(config))}
+
+
+def compare_rank_methods(
+    model,
+    tokenizer,
+    calibration_text: str,
+    held_out_text: str,
+    config: PaluBenchConfig | None = None,
+    progress: bool = True,
+) -> dict:
+    """
+    Rank allocations against `uniform`, row by row: is one better than the other beyond the evaluation's noise?
+
+    For every group size × kv-keep of `config`, each rank method converts the model with float latents (the same
+    calibration and Fisher scores for all) and is scored on three sets of rows: the held-out text's full windows
+    (up to `eval_tokens`), the held-out generated sequences, and in sample the calibration rows themselves (what
+    the allocation saw). Each non-uniform method is compared with the uniform conversion of the same cell on the
+    same rows: mean per-token NLL difference and its 95 % paired bootstrap interval ([`paired_nll_difference`]).
+    `config.bits` and the windows are not used.
+
+    Returns:
+        `dict` with `base` (the original's perplexities), `rows` (one per conversion: `group_size`, `kv_keep`,
+        `ranks`, `k_ranks`, `v_ranks`, `ppl_{text,generated,calibration}` and, except for uniform rows,
+        `vs_uniform[set]`), `timings` and `settings`.
+    """
+    from ..compress.palu import convert_palu
+
+    config = config or PaluBenchConfig()
+    if "uniform" not in config.rank_methods or not config.generated_samples:
+        raise ValueError("a rank comparison needs 'uniform' among the rank methods and held-out generated samples")
+    _check_conversions(PaluBenchConfig(**{**vars(config), "bits": (), "no_hadamard_bits": ()}))
+    kfac = "kfac" in config.rank_methods
+    ids, calibration, fisher, generated, timings = _calibrate(
+        model, tokenizer, calibration_text, config, kfac, progress
+    )
+    sets = {"text": _full_windows(tokenizer, held_out_text, config), "generated": generated, "calibration": ids}
+
+    def score(scored) -> tuple[dict, dict]:
+        nlls = {name: row_nlls(scored, rows) for name, rows in sets.items()}
+        ppl = {f"ppl_{name}": nll_to_ppl(v.sum().item() / sets[name][:, 1:].numel()) for name, v in nlls.items()}
+        return ppl, nlls
+
+    base, _ = score(model)
+    rows = []
+    grid = [(g, k, r) for g in config.group_sizes for k in config.kv_keeps for r in config.rank_methods]
+    uniform = {}
+    for group_size, kv_keep, ranks in progress_bar(grid, progress, desc="rank methods"):
+        palu, info = convert_palu(
+            model, tokenizer, kv_keep=kv_keep, group_size=group_size, ranks=ranks, calibration=calibration,
+            fisher_scores=fisher, rank_multiple=config.rank_multiple, progress=False,
+        )  # fmt: skip
+        ppl, nlls = score(palu)
+        row = {"group_size": group_size, "kv_keep": kv_keep, "ranks": ranks, **ppl}
+        row.update(k_ranks=info["k_ranks"], v_ranks=info["v_ranks"])
+        if ranks == "uniform":
+            uniform[group_size, kv_keep] = nlls
+        rows.append((row, nlls))
+    for row, nlls in rows:
+        if row["ranks"] != "uniform":
+            reference = uniform[row["group_size"], row["kv_keep"]]
+            row["vs_uniform"] = {
+                name: paired_nll_difference(reference[name], nlls[name], sets[name].shape[1] - 1, seed=config.seed)
+                for name in sets
+            }
+    return {"base": base, "rows": [row for row, _ in rows], "timings": timings, "settings": dict(vars(config))}
+
+
+def format_rank_comparison(report: dict) -> str:
+    """A Markdown table of [`compare_rank_methods`]'s report: perplexities, and each method's NLL difference from
+    uniform in nats per token with its 95 % interval (negative: better than uniform)."""
+    names = ("text", "generated", "calibration")
+    head = "| gs | kv-keep | ranks | " + " | ".join(f"ppl {n} | vs uniform ({n})" for n in names) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in report["rows"]:
+        cells = []
+        for n in names:
+            d = r.get("vs_uniform", {}).get(n)
+            diff = f"{d['nats_per_token']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" if d else ""
+            cells.append(f"{r[f'ppl_{n}']:.2f} | {diff}")
+        lines.append(f"| {r['group_size']} | {r['kv_keep']} | {r['ranks']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def format_palu_table(report: dict) -> str:

@@ -9,6 +9,7 @@ predictions. `tokens` in the result counts those predictions, and ppl = exp(tota
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -105,22 +106,55 @@ def compute_perplexity(
 
 
 @torch.no_grad()
-def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4, skip: int = 0) -> float:
-    """Perplexity over rows of token ids (each row scored alone, no padding), leaving the first `skip` predictions
-    of each row unscored."""
+def row_nlls(model, input_ids: torch.Tensor, batch_size: int = 4, skip: int = 0) -> torch.Tensor:
+    """Summed next-token negative log-likelihood of each row of token ids (float64, `[N]`), each row scored alone
+    with no padding, the first `skip` predictions of each row left out."""
     if not 0 <= skip < input_ids.shape[1] - 1:
         raise ValueError(f"skip must be in [0, {input_ids.shape[1] - 1}), got {skip}")
     device = next(model.parameters()).device
-    total, count = 0.0, 0
+    sums = []
     for start in range(0, len(input_ids), batch_size):
         ids = input_ids[start : start + batch_size].to(device)
         logits = model(input_ids=ids, use_cache=False).logits.float()[:, skip:-1]
         targets = ids[:, skip + 1 :]
-        total += F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).double(), targets.reshape(-1), reduction="sum"
-        ).item()
-        count += targets.numel()
-    return nll_to_ppl(total / count)
+        nll = F.cross_entropy(logits.transpose(1, 2).double(), targets, reduction="none")  # [b, S - 1 - skip]
+        sums.append(nll.sum(-1).cpu())
+    return torch.cat(sums)
+
+
+def perplexity_on_ids(model, input_ids: torch.Tensor, batch_size: int = 4, skip: int = 0) -> float:
+    """Perplexity over rows of token ids (each row scored alone, no padding), leaving the first `skip` predictions
+    of each row unscored."""
+    nlls = row_nlls(model, input_ids, batch_size, skip)
+    return nll_to_ppl(nlls.sum().item() / (nlls.numel() * (input_ids.shape[1] - 1 - skip)))
+
+
+def paired_nll_difference(
+    baseline: torch.Tensor, other: torch.Tensor, tokens_per_row: int, samples: int = 10_000, seed: int = 0
+) -> dict:
+    """
+    Mean per-token NLL difference `other − baseline` over the same rows, with a 95 % paired bootstrap interval.
+
+    Two models scored on the same rows differ far less from row to row than either model's perplexity does, so the
+    rows are resampled in pairs (with replacement, `samples` times, numpy's generator seeded with `seed`) and the
+    interval is the 2.5th and 97.5th percentiles of the resampled means. A negative difference favours `other`;
+    `exp(difference)` is the perplexity ratio `other / baseline`.
+
+    Args:
+        baseline, other (`torch.Tensor` of shape `[N]`): summed NLL of each row ([`row_nlls`]) under two models.
+        tokens_per_row (`int`): predictions scored in each row.
+
+    Returns:
+        `dict` with `nats_per_token`, `low`, `high` (the interval) and `rows`.
+    """
+    if baseline.shape != other.shape or baseline.ndim != 1 or not len(baseline):
+        raise ValueError(
+            f"need two [N] tensors of the same rows, got {tuple(baseline.shape)} and {tuple(other.shape)}"
+        )
+    per_token = ((other.double() - baseline.double()) / tokens_per_row).numpy()
+    picks = np.random.default_rng(seed).integers(0, len(per_token), size=(samples, len(per_token)))
+    low, high = np.percentile(per_token[picks].mean(axis=1), [2.5, 97.5])
+    return {"nats_per_token": float(per_token.mean()), "low": float(low), "high": float(high), "rows": len(per_token)}
 
 
 @torch.no_grad()

@@ -158,3 +158,33 @@ def test_fisher_rows_are_distinct_half_text_half_generated(text, generated, fish
     ids = torch.arange(text + generated)[:, None].expand(-1, 4)  # row i holds i: text windows, then generated rows
     config = PaluBenchConfig(calib_samples=text, calib_generated_samples=generated, fisher_samples=fisher)
     assert fisher_rows(ids, config)[:, 0].tolist() == expected
+
+
+def test_rank_comparison_pairs_each_method_with_the_uniform_conversion_of_its_cell():
+    from hf_accel.eval.palu_quality import compare_rank_methods, format_rank_comparison
+
+    model, tokenizer = make_tiny_llama(**TINY), make_char_tokenizer()
+    config = PaluBenchConfig(
+        group_sizes=(2,), rank_methods=("uniform", "fisher", "kfac"), kv_keeps=(1.0, 0.5), calib_samples=4,
+        calib_generated_samples=2, calib_seq_len=32, fisher_samples=2, rank_multiple=1, eval_tokens=256,
+        eval_seq_len=64, generated_samples=2, generated_seq_len=16,
+    )  # fmt: skip
+    report = compare_rank_methods(model, tokenizer, CALIB_TEXT[:20000], CALIB_TEXT[20000:], config, False)
+    rows = {(r["kv_keep"], r["ranks"]): r for r in report["rows"]}
+    assert list(rows) == [(k, r) for k in (1.0, 0.5) for r in ("uniform", "fisher", "kfac")]
+    for (kv_keep, ranks), row in rows.items():
+        uniform = rows[kv_keep, "uniform"]
+        assert ("vs_uniform" in row) == (ranks != "uniform")
+        for name in ("text", "generated", "calibration") if ranks != "uniform" else ():
+            diff = row["vs_uniform"][name]
+            # the mean per-token difference is the log of the perplexity ratio on the same rows
+            assert diff["nats_per_token"] == pytest.approx(math.log(row[f"ppl_{name}"] / uniform[f"ppl_{name}"]))
+            assert diff["low"] <= diff["nats_per_token"] <= diff["high"]
+            if kv_keep == 1.0:  # full rank: every allocation is the original model
+                assert row[f"ppl_{name}"] == pytest.approx(report["base"][f"ppl_{name}"], rel=1e-4)
+                assert abs(diff["low"]) < 1e-4 and abs(diff["high"]) < 1e-4
+    assert rows[0.5, "fisher"]["k_ranks"] != rows[0.5, "uniform"]["k_ranks"]  # the allocations differ
+    assert report["rows"][0]["ppl_calibration"] < rows[0.5, "uniform"]["ppl_calibration"]
+    assert format_rank_comparison(report).count("\n| 2 | 0.5 | fisher | ") == 1
+    with pytest.raises(ValueError, match="'uniform' among the rank methods"):
+        compare_rank_methods(model, tokenizer, CALIB_TEXT, CALIB_TEXT, PaluBenchConfig(rank_methods=("fisher",)))

@@ -111,20 +111,51 @@ def test_read_eval_text_from_one_data_file(tmp_path):
 
 
 @pytest.mark.parametrize("skip,batch_size", [(0, 2), (3, 2), (0, 5)])
-def test_perplexity_on_ids_matches_hand_computation(skip, batch_size):
-    from hf_accel.eval.perplexity import perplexity_on_ids
+def test_perplexity_on_ids_and_row_nlls_match_hand_computation(skip, batch_size):
+    from hf_accel.eval.perplexity import perplexity_on_ids, row_nlls
 
     model = make_tiny_llama()
     rows = torch.randint(3, 97, (3, 9), generator=torch.Generator().manual_seed(1))
-    total, count = 0.0, 0
+    sums = []
     for row in rows.tolist():  # each row alone, its first `skip` predictions left out
         logits = model(torch.tensor([row])).logits[0].double()
-        for t in range(skip, len(row) - 1):
-            total -= torch.log_softmax(logits[t], -1)[row[t + 1]].item()
-            count += 1
+        sums.append(-sum(torch.log_softmax(logits[t], -1)[row[t + 1]].item() for t in range(skip, len(row) - 1)))
+    assert row_nlls(model, rows, batch_size=batch_size, skip=skip).tolist() == pytest.approx(sums, rel=1e-5)
     assert perplexity_on_ids(model, rows, batch_size=batch_size, skip=skip) == pytest.approx(
-        math.exp(total / count), rel=1e-5
+        math.exp(sum(sums) / (3 * (8 - skip))), rel=1e-5
     )
+
+
+def test_paired_nll_difference_of_a_constant_shift_is_that_shift_with_no_spread():
+    from hf_accel.eval.perplexity import paired_nll_difference
+
+    baseline = torch.tensor([30.0, 12.5, 41.0, 7.0], dtype=torch.float64)
+    result = paired_nll_difference(baseline, baseline + 0.5 * 10, tokens_per_row=10)
+    assert result == {
+        "nats_per_token": pytest.approx(0.5),
+        "low": pytest.approx(0.5),
+        "high": pytest.approx(0.5),
+        "rows": 4,
+    }
+    same = paired_nll_difference(baseline, baseline.clone(), tokens_per_row=10)
+    assert (same["nats_per_token"], same["low"], same["high"]) == (0.0, 0.0, 0.0)
+
+
+def test_paired_nll_difference_interval_matches_the_normal_one_and_ignores_what_the_rows_share():
+    # Row NLLs that vary a lot from row to row (what both models share) and a small noisy difference: the paired
+    # interval follows the spread of the difference alone, mean ± 1.96·sd/√N for many rows
+    from hf_accel.eval.perplexity import paired_nll_difference
+
+    generator = torch.Generator().manual_seed(0)
+    shared = 1000 * torch.rand(400, generator=generator, dtype=torch.float64)
+    difference = 2.0 + 5.0 * torch.randn(400, generator=generator, dtype=torch.float64)
+    result = paired_nll_difference(shared, shared + difference, tokens_per_row=100, samples=20_000)
+    mean, half = difference.mean().item() / 100, 1.96 * difference.std().item() / 100 / math.sqrt(400)
+    assert result["nats_per_token"] == pytest.approx(mean)
+    assert result["low"] == pytest.approx(mean - half, abs=0.06 * half)
+    assert result["high"] == pytest.approx(mean + half, abs=0.06 * half)
+    with pytest.raises(ValueError, match="same rows"):
+        paired_nll_difference(shared, shared[:3], tokens_per_row=100)
 
 
 class _Fed(Exception):
