@@ -118,8 +118,10 @@ def test_the_rank_comparison_table_and_its_verdict_are_the_json_record():
                 verdicts[record["ranks"]].append("better" if d["high"] < 0 else "worse" if d["low"] > 0 else "tie")
     counts = {m: {v: verdicts[m].count(v) for v in ("better", "tie", "worse")} for m in verdicts}
     assert counts == {"fisher": {"better": 4, "tie": 3, "worse": 1}, "kfac": {"better": 7, "tie": 0, "worse": 1}}
-    assert "**Fisher is better than uniform beyond the noise in 4**" in README
-    assert "**ties in 3**" in README and "**`kfac` ranks beat uniform beyond the noise in 7 of 8**" in README
+    text = " ".join(README.replace("\n  ", " ").split())  # the list item's lines as one
+    assert "**Fisher is better than uniform beyond the noise in 4**" in text and "**ties in 3**" in text
+    assert "**and is worse in 1: text at gs 1 / 0.5, by 0.097 nats" in text
+    assert "**`kfac` ranks beat uniform beyond the noise in 7 of 8**" in text
 
 
 SESSION_27_RUNS = [
