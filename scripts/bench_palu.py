@@ -72,7 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "seed",
     ):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.compare_ranks and (not args.generated_samples or "uniform" not in args.ranks):
+        parser.error("--compare-ranks needs --generated-samples N and uniform among --ranks")
+    if args.compare_ranks and (args.care_methods or args.residual_lengths):
+        parser.error("--compare-ranks compares float latents only: drop --care-methods and --residual-lengths")
+    return args
 
 
 def main(argv=None) -> int:

@@ -233,9 +233,9 @@ def run_palu_quality_benchmark(
     config = config or PaluBenchConfig()
     _check_residual_lengths(config)
     _check_conversions(config)
-    kfac = bool(config.care_methods) or "kfac" in config.rank_methods
+    with_output_grads = bool(config.care_methods) or "kfac" in config.rank_methods
     ids, calibration, fisher, generated, timings = _calibrate(
-        model, tokenizer, calibration_text, config, kfac, progress
+        model, tokenizer, calibration_text, config, with_output_grads, progress
     )
     probe_ids = ids[:2, :64]
     long_probe = ids.reshape(1, -1)[:, : config.window_bytes_context]
@@ -309,16 +309,17 @@ def compare_rank_methods(
     Rank allocations against `uniform`, row by row: is one better than the other beyond the evaluation's noise?
 
     For every group size × kv-keep of `config`, each rank method converts the model with float latents (the same
-    calibration and Fisher scores for all) and is scored on three sets of rows: the held-out text's full windows
-    (up to `eval_tokens`), the held-out generated sequences, and in sample the calibration rows themselves (what
-    the allocation saw). Each non-uniform method is compared with the uniform conversion of the same cell on the
+    calibration and Fisher scores for all) and is scored on four sets of rows: the held-out text's full windows
+    (up to `eval_tokens`; a shorter last window is left out, unlike the grid's `ppl_text`), the held-out generated
+    sequences, and in sample the calibration rows themselves (what the allocation saw), text windows and generated
+    sequences apart. Each non-uniform method is compared with the uniform conversion of the same cell on the
     same rows: mean per-token NLL difference and its 95 % paired bootstrap interval ([`paired_nll_difference`]).
     `config.bits` and the windows are not used.
 
     Returns:
         `dict` with `base` (the original's perplexities), `rows` (one per conversion: `group_size`, `kv_keep`,
-        `ranks`, `k_ranks`, `v_ranks`, `ppl_{text,generated,calibration}` and, except for uniform rows,
-        `vs_uniform[set]`), `timings` and `settings`.
+        `ranks`, `k_ranks`, `v_ranks`, `ppl_<set>` for each set (`text`, `generated`, `calibration_text`,
+        `calibration_generated`) and, except for uniform rows, `vs_uniform[set]`), `timings` and `settings`.
     """
     from ..compress.palu import convert_palu
 
@@ -326,11 +327,13 @@ def compare_rank_methods(
     if "uniform" not in config.rank_methods or not config.generated_samples:
         raise ValueError("a rank comparison needs 'uniform' among the rank methods and held-out generated samples")
     _check_conversions(PaluBenchConfig(**{**vars(config), "bits": (), "no_hadamard_bits": ()}))
-    kfac = "kfac" in config.rank_methods
     ids, calibration, fisher, generated, timings = _calibrate(
-        model, tokenizer, calibration_text, config, kfac, progress
+        model, tokenizer, calibration_text, config, "kfac" in config.rank_methods, progress
     )
-    sets = {"text": _full_windows(tokenizer, held_out_text, config), "generated": generated, "calibration": ids}
+    num_text = len(ids) - config.calib_generated_samples
+    sets = {"text": _full_windows(tokenizer, held_out_text, config), "generated": generated}
+    sets.update(calibration_text=ids[:num_text], calibration_generated=ids[num_text:])
+    sets = {name: rows for name, rows in sets.items() if len(rows)}  # text-only calibration: no generated rows
 
     def score(scored) -> tuple[dict, dict]:
         nlls = {name: row_nlls(scored, rows) for name, rows in sets.items()}
@@ -364,15 +367,20 @@ def compare_rank_methods(
 
 def format_rank_comparison(report: dict) -> str:
     """A Markdown table of [`compare_rank_methods`]'s report: perplexities, and each method's NLL difference from
-    uniform in nats per token with its 95 % interval (negative: better than uniform)."""
-    names = ("text", "generated", "calibration")
-    head = "| gs | kv-keep | ranks | " + " | ".join(f"ppl {n} | vs uniform ({n})" for n in names) + " |"
+    uniform in nats per token with its 95 % interval (negative: better than uniform; bold: beyond the noise)."""
+    names = [k[4:] for k in report["base"] if k.startswith("ppl_")]
+    head = "| gs | kv-keep | ranks | " + " | ".join(f"{n.replace('_', ' ')} ppl | vs uniform" for n in names) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def signed(x: float) -> str:
+        return f"{x:+.3f}".replace("-", "−")
+
     for r in report["rows"]:
         cells = []
         for n in names:
             d = r.get("vs_uniform", {}).get(n)
-            diff = f"{d['nats_per_token']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" if d else ""
+            mean = d and (f"**{signed(d['nats_per_token'])}**" if d["high"] < 0 else signed(d["nats_per_token"]))
+            diff = f"{mean} [{signed(d['low'])}, {signed(d['high'])}]" if d else ""
             cells.append(f"{r[f'ppl_{n}']:.2f} | {diff}")
         lines.append(f"| {r['group_size']} | {r['kv_keep']} | {r['ranks']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -106,6 +106,15 @@ def test_bench_palu_script_refuses_an_unknown_care_method_before_running(capsys)
     with pytest.raises(SystemExit) as exit_info:
         script["parse_args"](["--care-methods", "carre"])
     assert exit_info.value.code == 2 and "invalid choice: 'carre'" in capsys.readouterr().err
+    for argv, message in [
+        (["--compare-ranks"], "needs --generated-samples N and uniform among --ranks"),
+        (["--compare-ranks", "--generated-samples", "4", "--ranks", "fisher"], "uniform among --ranks"),
+        (["--compare-ranks", "--generated-samples", "4", "--care-methods", "care"], "drop --care-methods"),
+    ]:
+        with pytest.raises(SystemExit):
+            script["parse_args"](argv)
+        assert message in capsys.readouterr().err
+    assert script["parse_args"](["--compare-ranks", "--generated-samples", "4"]).compare_ranks
 
 
 def test_bench_palu_json_is_strict_with_a_perplexity_past_the_float_range(capsys, tmp_path):
@@ -175,7 +184,7 @@ def test_rank_comparison_pairs_each_method_with_the_uniform_conversion_of_its_ce
     for (kv_keep, ranks), row in rows.items():
         uniform = rows[kv_keep, "uniform"]
         assert ("vs_uniform" in row) == (ranks != "uniform")
-        for name in ("text", "generated", "calibration") if ranks != "uniform" else ():
+        for name in ("text", "generated", "calibration_text", "calibration_generated") if ranks != "uniform" else ():
             diff = row["vs_uniform"][name]
             # the mean per-token difference is the log of the perplexity ratio on the same rows
             assert diff["nats_per_token"] == pytest.approx(math.log(row[f"ppl_{name}"] / uniform[f"ppl_{name}"]))
@@ -184,7 +193,12 @@ def test_rank_comparison_pairs_each_method_with_the_uniform_conversion_of_its_ce
                 assert row[f"ppl_{name}"] == pytest.approx(report["base"][f"ppl_{name}"], rel=1e-4)
                 assert abs(diff["low"]) < 1e-4 and abs(diff["high"]) < 1e-4
     assert rows[0.5, "fisher"]["k_ranks"] != rows[0.5, "uniform"]["k_ranks"]  # the allocations differ
-    assert report["rows"][0]["ppl_calibration"] < rows[0.5, "uniform"]["ppl_calibration"]
-    assert format_rank_comparison(report).count("\n| 2 | 0.5 | fisher | ") == 1
+    assert set(report["base"]) == {"ppl_text", "ppl_generated", "ppl_calibration_text", "ppl_calibration_generated"}
+    table = format_rank_comparison(report).splitlines()
+    assert table[0].startswith("| gs | kv-keep | ranks | text ppl | vs uniform | generated ppl | vs uniform |")
+    line = next(x for x in table if x.startswith("| 2 | 0.5 | fisher | "))
+    d = rows[0.5, "fisher"]["vs_uniform"]["text"]
+    mean = f"{d['nats_per_token']:+.3f}".replace("-", "−")
+    assert (f"| **{mean}** [" if d["high"] < 0 else f"| {mean} [") in line  # bold only beyond the noise
     with pytest.raises(ValueError, match="'uniform' among the rank methods"):
         compare_rank_methods(model, tokenizer, CALIB_TEXT, CALIB_TEXT, PaluBenchConfig(rank_methods=("fisher",)))
