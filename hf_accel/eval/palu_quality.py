@@ -19,7 +19,7 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -128,11 +128,12 @@ def _check_conversions(config: PaluBenchConfig) -> None:
 
 
 def _full_windows(tokenizer, text: str, config: PaluBenchConfig) -> torch.Tensor:
-    """`[N, eval_seq_len]` token windows of the held-out text (full windows only: they are scored as a batch)."""
+    """`[N, eval_seq_len]` token windows of the held-out text (full windows only: they are scored as a batch), for the
+    windowed rows and the rank comparison."""
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])[: config.eval_tokens]
     windows = [w for w in split_windows(ids, config.eval_seq_len) if len(w) == config.eval_seq_len]
     if not windows:
-        raise ValueError(f"the held-out text has no full window of {config.eval_seq_len} tokens for the windowed rows")
+        raise ValueError(f"the held-out text has no full window of {config.eval_seq_len} tokens to score row by row")
     return torch.stack(windows)
 
 
@@ -326,7 +327,7 @@ def compare_rank_methods(
     config = config or PaluBenchConfig()
     if "uniform" not in config.rank_methods or not config.generated_samples:
         raise ValueError("a rank comparison needs 'uniform' among the rank methods and held-out generated samples")
-    _check_conversions(PaluBenchConfig(**{**vars(config), "bits": (), "no_hadamard_bits": ()}))
+    _check_conversions(replace(config, bits=(), no_hadamard_bits=()))  # float latents only
     ids, calibration, fisher, generated, timings = _calibrate(
         model, tokenizer, calibration_text, config, "kfac" in config.rank_methods, progress
     )
